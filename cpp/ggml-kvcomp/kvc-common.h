@@ -1,0 +1,106 @@
+#pragma once
+
+// Block layouts of the kvc types and the reference kernels shared by every backend.
+//
+// All types use blocks of QK_KVC = 32 values along the head dimension, so a block never
+// straddles two heads when the head size is a multiple of 32 (64, 96, 128, 256). The
+// low-bit types split a block into two sub-blocks of 16 values, each with an 8-bit
+// log-domain step (see kvc_e8_to_fp32), and store codes into a small table of
+// non-uniform int8 levels fitted to Hadamard-rotated, near-Gaussian rows.
+
+#include "ggml-kvcomp.h"
+
+#include <assert.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define QK_KVC     32
+#define QK_KVC_SUB 16
+
+// 8.5 bits per value: int8 codes, fp16 step chosen by an MSE search.
+typedef struct {
+    uint16_t d;             // fp16 step
+    int8_t   qs[QK_KVC];
+} block_kvc8;
+static_assert(sizeof(block_kvc8) == sizeof(uint16_t) + QK_KVC, "wrong kvc8 block size/padding");
+
+// 4.5 bits per value: 16 levels; qs[j] holds value j (low nibble) and value j + 16 (high nibble).
+typedef struct {
+    uint8_t e[2];           // log-domain steps of the two sub-blocks
+    uint8_t qs[QK_KVC / 2];
+} block_kvc4;
+static_assert(sizeof(block_kvc4) == 2 + QK_KVC / 2, "wrong kvc4 block size/padding");
+
+// 3.5 bits per value: 8 levels; the low two bits of value 8*g + j sit in ql[j] at bit 2*g,
+// the third bit of value i in qh[i / 8] at bit i % 8.
+typedef struct {
+    uint8_t e[2];
+    uint8_t ql[QK_KVC / 4];
+    uint8_t qh[QK_KVC / 8];
+} block_kvc3;
+static_assert(sizeof(block_kvc3) == 2 + QK_KVC / 4 + QK_KVC / 8, "wrong kvc3 block size/padding");
+
+// 2.5 bits per value: 4 levels, packed like kvc3's ql.
+typedef struct {
+    uint8_t e[2];
+    uint8_t qs[QK_KVC / 4];
+} block_kvc2;
+static_assert(sizeof(block_kvc2) == 2 + QK_KVC / 4, "wrong kvc2 block size/padding");
+
+// Level tables in units of the sub-block step.
+extern const int8_t kvalues_kvc4[16];
+extern const int8_t kvalues_kvc3[8];
+extern const int8_t kvalues_kvc2[4];
+
+// The 8-bit step code: e = 0 is an exact zero, otherwise the step is 2^((e - 160) / 8),
+// which spans 2^-20 .. 2^12 in 1/8-octave increments. Built from exponent bits so that
+// the hot dequantization loops need no exp2f.
+static inline float kvc_e8_to_fp32(uint8_t e) {
+    static const float frac[8] = {
+        1.0f, 1.09050773f, 1.18920712f, 1.29683955f, 1.41421356f, 1.54221083f, 1.68179283f, 1.83400809f,
+    };
+    union { uint32_t u; float f; } p;
+    p.u = (uint32_t) ((e >> 3) + 107) << 23;
+    return e ? frac[e & 7] * p.f : 0.0f;
+}
+
+GGML_API void quantize_row_kvc8_ref(const float * GGML_RESTRICT x, block_kvc8 * GGML_RESTRICT y, int64_t k);
+GGML_API void quantize_row_kvc4_ref(const float * GGML_RESTRICT x, block_kvc4 * GGML_RESTRICT y, int64_t k);
+GGML_API void quantize_row_kvc3_ref(const float * GGML_RESTRICT x, block_kvc3 * GGML_RESTRICT y, int64_t k);
+GGML_API void quantize_row_kvc2_ref(const float * GGML_RESTRICT x, block_kvc2 * GGML_RESTRICT y, int64_t k);
+
+GGML_API void dequantize_row_kvc8(const block_kvc8 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+GGML_API void dequantize_row_kvc4(const block_kvc4 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+GGML_API void dequantize_row_kvc3(const block_kvc3 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+GGML_API void dequantize_row_kvc2(const block_kvc2 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+
+// Entries for ggml.c's type_traits table.
+#define GGML_KVCOMP_TYPE_TRAIT(name, NAME)                                  \
+    [GGML_TYPE_##NAME] = {                                                  \
+        .type_name      = #name,                                            \
+        .blck_size      = QK_KVC,                                           \
+        .type_size      = sizeof(block_##name),                             \
+        .is_quantized   = true,                                             \
+        .to_float       = (ggml_to_float_t) dequantize_row_##name,          \
+        .from_float_ref = (ggml_from_float_t) quantize_row_##name##_ref,    \
+    }
+
+#define GGML_KVCOMP_TYPE_TRAITS             \
+    GGML_KVCOMP_TYPE_TRAIT(kvc8, KVC8),     \
+    GGML_KVCOMP_TYPE_TRAIT(kvc4, KVC4),     \
+    GGML_KVCOMP_TYPE_TRAIT(kvc3, KVC3),     \
+    GGML_KVCOMP_TYPE_TRAIT(kvc2, KVC2)
+
+// Case labels for upstream switches that list the quantized types.
+#define GGML_KVCOMP_TYPE_CASES \
+    case GGML_TYPE_KVC8:       \
+    case GGML_TYPE_KVC4:       \
+    case GGML_TYPE_KVC3:       \
+    case GGML_TYPE_KVC2
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,47 @@
+#pragma once
+
+// CPU kernels of the kvc types: quantization entry points and dot products against q8_0.
+
+#include "kvc-common.h"
+#include "ggml-backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+GGML_BACKEND_API void quantize_row_kvc8(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+GGML_BACKEND_API void quantize_row_kvc4(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+GGML_BACKEND_API void quantize_row_kvc3(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+GGML_BACKEND_API void quantize_row_kvc2(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+
+// The dispatching dot products use SIMD where the build has it; the _generic ones are the
+// scalar reference that tests hold them to.
+#define GGML_KVCOMP_DECLARE_VEC_DOT(name)                                                              \
+    GGML_BACKEND_API void ggml_vec_dot_##name##_q8_0(int n, float * GGML_RESTRICT s, size_t bs,          \
+            const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc); \
+    GGML_BACKEND_API void ggml_vec_dot_##name##_q8_0_generic(int n, float * GGML_RESTRICT s, size_t bs,  \
+            const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+
+GGML_KVCOMP_DECLARE_VEC_DOT(kvc8)
+GGML_KVCOMP_DECLARE_VEC_DOT(kvc4)
+GGML_KVCOMP_DECLARE_VEC_DOT(kvc3)
+GGML_KVCOMP_DECLARE_VEC_DOT(kvc2)
+
+// Entries for ggml-cpu.c's type_traits_cpu table.
+#define GGML_KVCOMP_CPU_TYPE_TRAIT(name, NAME)             \
+    [GGML_TYPE_##NAME] = {                                 \
+        .from_float   = quantize_row_##name,               \
+        .vec_dot      = ggml_vec_dot_##name##_q8_0,        \
+        .vec_dot_type = GGML_TYPE_Q8_0,                    \
+        .nrows        = 1,                                 \
+    }
+
+#define GGML_KVCOMP_CPU_TYPE_TRAITS             \
+    GGML_KVCOMP_CPU_TYPE_TRAIT(kvc8, KVC8),     \
+    GGML_KVCOMP_CPU_TYPE_TRAIT(kvc4, KVC4),     \
+    GGML_KVCOMP_CPU_TYPE_TRAIT(kvc3, KVC3),     \
+    GGML_KVCOMP_CPU_TYPE_TRAIT(kvc2, KVC2)
+
+#ifdef __cplusplus
+}
+#endif

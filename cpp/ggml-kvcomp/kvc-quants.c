@@ -1,0 +1,263 @@
+// Reference quantization of the kvc types (scalar, backend independent).
+
+#include "kvc-common.h"
+#include "ggml-impl.h"
+
+#include <math.h>
+#include <string.h>
+
+// Lloyd-Max levels of a unit Gaussian, scaled so the outermost level is 127.
+const int8_t kvalues_kvc4[16] = { -127, -96, -75, -58, -44, -31, -18, -6, 6, 18, 31, 44, 58, 75, 96, 127 };
+const int8_t kvalues_kvc3[8]  = { -127, -79, -45, -14, 14, 45, 79, 127 };
+const int8_t kvalues_kvc2[4]  = { -127, -38, 38, 127 };
+
+// How far below the absmax-matching step the MSE search goes, in 1/8 octaves: clipping the
+// largest values of a 16-value Gaussian block by up to ~35% can lower the total error.
+#define KVC_SEARCH_DOWN 12
+#define KVC_SEARCH_UP   1
+
+typedef struct {
+    const int8_t * levels;
+    int            n;
+    float          mid[15];   // decision thresholds between neighbouring levels
+    int            zero_code; // code of the level with the smallest magnitude
+} kvc_codebook;
+
+static void kvc_codebook_init(kvc_codebook * cb, const int8_t * levels, int n) {
+    cb->levels    = levels;
+    cb->n         = n;
+    cb->zero_code = n / 2;
+    for (int i = 0; i + 1 < n; ++i) {
+        cb->mid[i] = 0.5f * (levels[i] + levels[i + 1]);
+    }
+}
+
+static inline int kvc_nearest(const kvc_codebook * cb, float v) {
+    int c = 0;
+    for (int i = 0; i + 1 < cb->n; ++i) {
+        c += v > cb->mid[i];
+    }
+    return c;
+}
+
+static inline uint8_t kvc_fp32_to_e8(float d) {
+    const int e = (int) lrintf(8.0f * log2f(d)) + 160;
+    return (uint8_t) (e < 1 ? 1 : e > 255 ? 255 : e);
+}
+
+// Non-finite inputs are quantized as zero so they cannot poison the block's step or
+// any other block; they come back as the level nearest zero (exactly 0 for kvc8).
+static inline float kvc_finite_or_zero(float v) {
+    return isfinite(v) ? v : 0.0f;
+}
+
+// Chooses the step of one sub-block by minimizing the squared error over a window of
+// 8-bit step codes, and writes the codes of the chosen step.
+static uint8_t kvc_quantize_sub(const kvc_codebook * cb, const float * x, int n, uint8_t * codes) {
+    float v[QK_KVC_SUB];
+    float amax = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        v[i] = kvc_finite_or_zero(x[i]);
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    if (amax == 0.0f) {
+        memset(codes, cb->zero_code, n);
+        return 0;
+    }
+
+    const int e_max = kvc_fp32_to_e8(amax / cb->levels[cb->n - 1]);
+
+    int   best_e   = e_max;
+    float best_err = INFINITY;
+    for (int e = e_max + KVC_SEARCH_UP; e >= e_max - KVC_SEARCH_DOWN; --e) {
+        if (e < 1 || e > 255) {
+            continue;
+        }
+        const float d  = kvc_e8_to_fp32((uint8_t) e);
+        const float id = 1.0f / d;
+        float err = 0.0f;
+        for (int i = 0; i < n; ++i) {
+            const float diff = v[i] - d * cb->levels[kvc_nearest(cb, v[i] * id)];
+            err += diff * diff;
+        }
+        if (err < best_err) {
+            best_err = err;
+            best_e   = e;
+        }
+    }
+
+    const float id = 1.0f / kvc_e8_to_fp32((uint8_t) best_e);
+    for (int i = 0; i < n; ++i) {
+        codes[i] = (uint8_t) kvc_nearest(cb, v[i] * id);
+    }
+    return (uint8_t) best_e;
+}
+
+static void kvc_quantize_block(const kvc_codebook * cb, const float * x, uint8_t e[2], uint8_t codes[QK_KVC]) {
+    e[0] = kvc_quantize_sub(cb, x,              QK_KVC_SUB, codes);
+    e[1] = kvc_quantize_sub(cb, x + QK_KVC_SUB, QK_KVC_SUB, codes + QK_KVC_SUB);
+}
+
+// Packs the low two bits of 32 codes: value 8*g + j goes to byte j, bits 2*g.
+static void kvc_pack2(const uint8_t codes[QK_KVC], uint8_t q[QK_KVC / 4]) {
+    for (int j = 0; j < QK_KVC / 4; ++j) {
+        q[j] = (uint8_t) ((codes[j] & 3) | (codes[j + 8] & 3) << 2 | (codes[j + 16] & 3) << 4 | (codes[j + 24] & 3) << 6);
+    }
+}
+
+static inline int kvc_unpack2(const uint8_t q[QK_KVC / 4], int i) {
+    return (q[i % 8] >> (2 * (i / 8))) & 3;
+}
+
+void quantize_row_kvc8_ref(const float * GGML_RESTRICT x, block_kvc8 * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_KVC == 0);
+    const int64_t nb = k / QK_KVC;
+
+    for (int64_t b = 0; b < nb; ++b) {
+        float v[QK_KVC];
+        float amax = 0.0f;
+        for (int i = 0; i < QK_KVC; ++i) {
+            v[i] = kvc_finite_or_zero(x[b * QK_KVC + i]);
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+
+        // The candidates include q8_0's absmax step, so the error is never above q8_0's;
+        // the search only pays off on blocks with an isolated large value.
+        uint16_t best_d   = GGML_FP32_TO_FP16(amax / 127.0f);
+        float    best_err = INFINITY;
+        for (int s = 0; s < 8 && amax > 0.0f; ++s) {
+            const uint16_t dh = GGML_FP32_TO_FP16(amax / 127.0f * (1.0f - 0.03f * s));
+            const float    d  = GGML_FP16_TO_FP32(dh);
+            if (d == 0.0f) {
+                continue;
+            }
+            const float id = 1.0f / d;
+            float err = 0.0f;
+            for (int i = 0; i < QK_KVC; ++i) {
+                const float q    = fminf(127.0f, fmaxf(-127.0f, roundf(v[i] * id)));
+                const float diff = v[i] - d * q;
+                err += diff * diff;
+            }
+            if (err < best_err) {
+                best_err = err;
+                best_d   = dh;
+            }
+        }
+
+        const float d  = GGML_FP16_TO_FP32(best_d);
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = best_d;
+        for (int i = 0; i < QK_KVC; ++i) {
+            y[b].qs[i] = (int8_t) fminf(127.0f, fmaxf(-127.0f, roundf(v[i] * id)));
+        }
+    }
+}
+
+void quantize_row_kvc4_ref(const float * GGML_RESTRICT x, block_kvc4 * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_KVC == 0);
+    kvc_codebook cb;
+    kvc_codebook_init(&cb, kvalues_kvc4, 16);
+
+    for (int64_t b = 0; b < k / QK_KVC; ++b) {
+        uint8_t codes[QK_KVC];
+        kvc_quantize_block(&cb, x + b * QK_KVC, y[b].e, codes);
+        for (int j = 0; j < QK_KVC / 2; ++j) {
+            y[b].qs[j] = (uint8_t) (codes[j] | codes[j + QK_KVC / 2] << 4);
+        }
+    }
+}
+
+void quantize_row_kvc3_ref(const float * GGML_RESTRICT x, block_kvc3 * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_KVC == 0);
+    kvc_codebook cb;
+    kvc_codebook_init(&cb, kvalues_kvc3, 8);
+
+    for (int64_t b = 0; b < k / QK_KVC; ++b) {
+        uint8_t codes[QK_KVC];
+        kvc_quantize_block(&cb, x + b * QK_KVC, y[b].e, codes);
+        kvc_pack2(codes, y[b].ql);
+        memset(y[b].qh, 0, sizeof(y[b].qh));
+        for (int i = 0; i < QK_KVC; ++i) {
+            y[b].qh[i / 8] |= (uint8_t) (((codes[i] >> 2) & 1) << (i % 8));
+        }
+    }
+}
+
+void quantize_row_kvc2_ref(const float * GGML_RESTRICT x, block_kvc2 * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_KVC == 0);
+    kvc_codebook cb;
+    kvc_codebook_init(&cb, kvalues_kvc2, 4);
+
+    for (int64_t b = 0; b < k / QK_KVC; ++b) {
+        uint8_t codes[QK_KVC];
+        kvc_quantize_block(&cb, x + b * QK_KVC, y[b].e, codes);
+        kvc_pack2(codes, y[b].qs);
+    }
+}
+
+void dequantize_row_kvc8(const block_kvc8 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_KVC == 0);
+    for (int64_t b = 0; b < k / QK_KVC; ++b) {
+        const float d = GGML_FP16_TO_FP32(x[b].d);
+        for (int i = 0; i < QK_KVC; ++i) {
+            y[b * QK_KVC + i] = d * x[b].qs[i];
+        }
+    }
+}
+
+void dequantize_row_kvc4(const block_kvc4 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_KVC == 0);
+    for (int64_t b = 0; b < k / QK_KVC; ++b) {
+        const float d0 = kvc_e8_to_fp32(x[b].e[0]);
+        const float d1 = kvc_e8_to_fp32(x[b].e[1]);
+        for (int j = 0; j < QK_KVC / 2; ++j) {
+            y[b * QK_KVC + j]              = d0 * kvalues_kvc4[x[b].qs[j] & 0xf];
+            y[b * QK_KVC + j + QK_KVC / 2] = d1 * kvalues_kvc4[x[b].qs[j] >> 4];
+        }
+    }
+}
+
+void dequantize_row_kvc3(const block_kvc3 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_KVC == 0);
+    for (int64_t b = 0; b < k / QK_KVC; ++b) {
+        const float d[2] = { kvc_e8_to_fp32(x[b].e[0]), kvc_e8_to_fp32(x[b].e[1]) };
+        for (int i = 0; i < QK_KVC; ++i) {
+            const int c = kvc_unpack2(x[b].ql, i) | ((x[b].qh[i / 8] >> (i % 8)) & 1) << 2;
+            y[b * QK_KVC + i] = d[i / QK_KVC_SUB] * kvalues_kvc3[c];
+        }
+    }
+}
+
+void dequantize_row_kvc2(const block_kvc2 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_KVC == 0);
+    for (int64_t b = 0; b < k / QK_KVC; ++b) {
+        const float d[2] = { kvc_e8_to_fp32(x[b].e[0]), kvc_e8_to_fp32(x[b].e[1]) };
+        for (int i = 0; i < QK_KVC; ++i) {
+            y[b * QK_KVC + i] = d[i / QK_KVC_SUB] * kvalues_kvc2[kvc_unpack2(x[b].qs, i)];
+        }
+    }
+}
+
+bool ggml_kvcomp_is_kvc_type(enum ggml_type type) {
+    return type >= GGML_KVCOMP_TYPE_FIRST && type <= GGML_KVCOMP_TYPE_LAST;
+}
+
+enum ggml_type ggml_kvcomp_type_from_name(const char * name) {
+    for (int t = GGML_KVCOMP_TYPE_FIRST; t <= GGML_KVCOMP_TYPE_LAST; ++t) {
+        if (strcmp(name, ggml_type_name((enum ggml_type) t)) == 0) {
+            return (enum ggml_type) t;
+        }
+    }
+    return GGML_TYPE_COUNT;
+}
+
+size_t ggml_kvcomp_quantize(enum ggml_type type, const float * src, void * dst, int64_t nrows, int64_t n_per_row) {
+    GGML_ASSERT(ggml_kvcomp_is_kvc_type(type));
+    GGML_ASSERT(n_per_row % QK_KVC == 0);
+
+    const size_t row_size = ggml_row_size(type, n_per_row);
+    for (int64_t r = 0; r < nrows; ++r) {
+        ggml_get_type_traits(type)->from_float_ref(src + r * n_per_row, (char *) dst + r * row_size, n_per_row);
+    }
+    return nrows * row_size;
+}
