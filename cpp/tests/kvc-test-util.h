@@ -1,0 +1,93 @@
+#pragma once
+
+// Helpers shared by the kvcomp C++ tests: deterministic row generators, error metrics and
+// a tiny check/report layer whose failures make the test binary exit non-zero.
+
+#include "ggml.h"
+
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+namespace kvc_test {
+
+enum class dist { gaussian, student_t3, outlier_channels };
+
+inline const char * dist_name(dist d) {
+    switch (d) {
+        case dist::gaussian:         return "gaussian";
+        case dist::student_t3:       return "student-t3";
+        case dist::outlier_channels: return "outlier-channels";
+    }
+    return "?";
+}
+
+// n_rows rows of n values. Outlier rows scale a fixed set of channels by 8, like the
+// per-channel outliers of real K rows.
+inline std::vector<float> make_rows(dist d, int n_rows, int n, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::chi_squared_distribution<float> chi2(3.0f);
+    std::vector<float> x((size_t) n_rows * n);
+    for (int r = 0; r < n_rows; ++r) {
+        for (int i = 0; i < n; ++i) {
+            float v = normal(rng);
+            if (d == dist::student_t3) {
+                v /= std::sqrt(chi2(rng) / 3.0f);
+            } else if (d == dist::outlier_channels && (i % 37 == 5)) {
+                v *= 8.0f;
+            }
+            x[(size_t) r * n + i] = v;
+        }
+    }
+    return x;
+}
+
+// Normalized mean squared error: sum (a - b)^2 / sum b^2, b being the reference.
+inline double nmse(const float * a, const float * b, size_t n) {
+    double num = 0.0;
+    double den = 0.0;
+    for (size_t i = 0; i < n; ++i) {
+        const double d = (double) a[i] - b[i];
+        num += d * d;
+        den += (double) b[i] * b[i];
+    }
+    return den > 0.0 ? num / den : num;
+}
+
+inline std::vector<float> round_trip(ggml_type type, const std::vector<float> & x, int n) {
+    const int64_t n_rows = (int64_t) x.size() / n;
+    std::vector<uint8_t> q(ggml_row_size(type, n) * n_rows);
+    std::vector<float> y(x.size());
+    const auto * tt = ggml_get_type_traits(type);
+    for (int64_t r = 0; r < n_rows; ++r) {
+        tt->from_float_ref(x.data() + r * n, q.data() + r * ggml_row_size(type, n), n);
+        tt->to_float(q.data() + r * ggml_row_size(type, n), y.data() + r * n, n);
+    }
+    return y;
+}
+
+struct report {
+    int n_pass = 0;
+    int n_fail = 0;
+
+    // Records one check; prints failures always and passes with their numbers.
+    void check(bool ok, const char * fmt, ...) {
+        char buf[512];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(buf, sizeof(buf), fmt, ap);
+        va_end(ap);
+        printf("  [%s] %s\n", ok ? "ok" : "FAIL", buf);
+        ok ? ++n_pass : ++n_fail;
+    }
+
+    int finish(const char * name) const {
+        printf("%s: %d passed, %d failed\n", name, n_pass, n_fail);
+        return n_fail == 0 && n_pass > 0 ? 0 : 1;
+    }
+};
+
+} // namespace kvc_test

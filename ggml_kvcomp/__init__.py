@@ -1,0 +1,3 @@
+"""kvcomp: compensated low-bit KV cache for llama.cpp — Python tooling."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,125 @@
+"""The `kvcomp` command: side-by-side KLD and decode-speed runs on a packaged model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from . import bench, corpus, models, perplexity, report
+from .kvtypes import DEFAULT_CONFIGS, KvConfig
+
+
+def _configs(spec: str | None) -> list[KvConfig]:
+    if not spec:
+        return list(DEFAULT_CONFIGS)
+    return [KvConfig.parse(s) for s in spec.split(",") if s]
+
+
+def _depths(spec: str) -> list[int]:
+    try:
+        depths = [int(d) for d in spec.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"depths must be comma-separated integers, got {spec!r}") from None
+    if any(d < 0 for d in depths):
+        raise argparse.ArgumentTypeError("depths must be >= 0")
+    return depths
+
+
+def _positive(v: str) -> int:
+    n = int(v)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return n
+
+
+def _command_line(argv: Sequence[str]) -> str:
+    return "kvcomp " + " ".join(shlex.quote(a) for a in argv)
+
+
+def _machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def cmd_kld(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    settings = perplexity.RunSettings(
+        model=models.fetch_model(args.model), corpus=corpus.corpus_file(),
+        ctx=args.ctx, chunks=args.chunks, threads=args.threads,
+    )
+    results = []
+    for cfg in _configs(args.configs):
+        print(f"kvcomp kld: {cfg.label} ...", file=sys.stderr, flush=True)
+        results.append(perplexity.run_kld(cfg, settings))
+    table = report.kld_table(results)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
+    if args.results:
+        body = (
+            f"### KLD vs f16 KV, {args.model}, ctx {args.ctx}, {args.chunks} chunks, {args.threads} threads\n\n"
+            f"Command: `{_command_line(argv)}` (corpus `{settings.corpus.name}`, {_machine()}).\n\n{table}\n"
+        )
+        report.replace_section(Path(args.results), f"kld-{args.model}-ctx{args.ctx}", body)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    model = models.fetch_model(args.model)
+    results = []
+    for cfg in _configs(args.configs):
+        print(f"kvcomp bench: {cfg.label} ...", file=sys.stderr, flush=True)
+        results.extend(bench.run_bench(cfg, model, args.depths, args.n_gen, args.threads, args.reps))
+    table = bench.bench_table(results)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    if args.results:
+        body = (
+            f"### Decode speed, {args.model}, llama-bench -fa 1 -n {args.n_gen}, {args.threads} threads\n\n"
+            f"Command: `{_command_line(argv)}` ({_machine()}).\n\n{table}\n"
+        )
+        report.replace_section(Path(args.results), f"bench-{args.model}", body)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvcomp", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS))
+        sp.add_argument("--configs", help="comma-separated K/V types, 'k/v' for a mixed pair "
+                        "(default: f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,kvc2,kvc8/kvc4)")
+        sp.add_argument("--threads", type=_positive, default=2)
+        sp.add_argument("--json", help="also write the results as JSON to this file")
+        sp.add_argument("--results", help="rewrite this run's section of a markdown file (docs/results.md)")
+
+    kld = sub.add_parser("kld", help="PPL ratio, KLD and same-top-p against an f16-KV base run")
+    common(kld)
+    kld.add_argument("--ctx", type=_positive, default=512)
+    kld.add_argument("--chunks", type=_positive, default=16)
+    kld.set_defaults(func=cmd_kld)
+
+    bn = sub.add_parser("bench", help="llama-bench decode speed at several depths")
+    common(bn)
+    bn.add_argument("--depths", type=_depths, default=[0, 4096])
+    bn.add_argument("--n-gen", type=_positive, default=32)
+    bn.add_argument("--reps", type=_positive, default=2)
+    bn.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args, argv))
+    except (RuntimeError, ValueError, FileNotFoundError) as e:
+        print(f"kvcomp: error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,128 @@
+"""Drives llama-perplexity: one f16-KV base run that stores logits, then KLD runs against it."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .kvtypes import KvConfig
+from .paths import binary, cache_dir
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every run of one comparison shares: same model, text, context and threads."""
+
+    model: Path
+    corpus: Path
+    ctx: int = 512
+    chunks: int = 16
+    threads: int = 2
+    batch: int = 512
+
+
+@dataclass(frozen=True)
+class KldResult:
+    label: str
+    type_k: str
+    type_v: str
+    bpe_k: float
+    bpe_v: float
+    ppl: float
+    ppl_base: float
+    ppl_ratio: float
+    kld_mean: float
+    kld_mean_err: float
+    kld_p99: float
+    same_top_p: float
+
+    @property
+    def bpe(self) -> float:
+        return (self.bpe_k + self.bpe_v) / 2
+
+    def as_dict(self) -> dict[str, float | str]:
+        d: dict[str, float | str] = asdict(self)
+        d["bpe"] = self.bpe
+        return d
+
+
+def _common_args(s: RunSettings) -> list[str]:
+    return [
+        "-m", str(s.model), "-f", str(s.corpus), "-c", str(s.ctx), "-b", str(s.batch),
+        "--chunks", str(s.chunks), "-t", str(s.threads), "-fa", "on", "--no-warmup",
+    ]
+
+
+def _run(args: list[str]) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        tail = "\n".join(out.splitlines()[-25:])
+        raise RuntimeError(f"{Path(args[0]).name} failed with exit code {proc.returncode}:\n{tail}")
+    return out
+
+
+def base_logits(s: RunSettings) -> Path:
+    """The f16-KV base logits for these settings, computed once and cached."""
+    key = hashlib.sha256(
+        f"{s.model.stat().st_size}:{s.model.name}:{s.corpus.name}:{s.ctx}:{s.chunks}:{s.batch}".encode()
+    ).hexdigest()[:16]
+    out = cache_dir() / "kld-base" / f"base-{key}.bin"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".part")
+        _run([str(binary("llama-perplexity")), *_common_args(s), "-ctk", "f16", "-ctv", "f16",
+              "--kl-divergence-base", str(tmp)])
+        tmp.rename(out)
+    return out
+
+
+def _number(pattern: str, text: str) -> float:
+    m = re.search(pattern, text, re.MULTILINE)
+    if not m:
+        raise ValueError(f"llama-perplexity output lacks {pattern!r}")
+    return float(m.group(1))
+
+
+def parse_kv_bpe(log: str) -> tuple[float, float]:
+    """Bits per element of K and V from the KV size line and the model's dimensions."""
+    m = re.search(r"llama_kv_cache: size = .*?\(\s*(\d+) cells,\s*(\d+) layers.*?"
+                  r"K \(\S+\):\s*([\d.]+) MiB, V \(\S+\):\s*([\d.]+) MiB", log)
+    if not m:
+        raise ValueError("llama-perplexity output lacks the llama_kv_cache size line")
+    cells, layers = int(m.group(1)), int(m.group(2))
+    n_k = _number(r"n_embd_k_gqa\s*=\s*(\d+)", log)
+    n_v = _number(r"n_embd_v_gqa\s*=\s*(\d+)", log)
+    mib = 1024.0 * 1024.0 * 8.0
+    return (float(m.group(3)) * mib / (cells * layers * n_k), float(m.group(4)) * mib / (cells * layers * n_v))
+
+
+def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
+    bpe_k, bpe_v = parse_kv_bpe(log)
+    kld = re.search(r"^Mean\s+KLD:\s*([\d.eE+-]+)\s*±\s*([\d.eE+-]+)", log, re.MULTILINE)
+    if not kld:
+        raise ValueError("llama-perplexity output lacks 'Mean KLD'")
+    return KldResult(
+        label=label,
+        type_k=cfg.type_k,
+        type_v=cfg.type_v,
+        bpe_k=bpe_k,
+        bpe_v=bpe_v,
+        ppl=_number(r"^Mean PPL\(Q\)\s*:\s*([\d.]+)", log),
+        ppl_base=_number(r"^Mean PPL\(base\)\s*:\s*([\d.]+)", log),
+        ppl_ratio=_number(r"^Mean PPL\(Q\)/PPL\(base\)\s*:\s*([\d.]+)", log),
+        kld_mean=float(kld.group(1)),
+        kld_mean_err=float(kld.group(2)),
+        kld_p99=_number(r"^99\.0%\s+KLD:\s*([\d.eE+-]+)", log),
+        same_top_p=_number(r"^Same top p:\s*([\d.]+)", log),
+    )
+
+
+def run_kld(cfg: KvConfig, s: RunSettings) -> KldResult:
+    base = base_logits(s)
+    log = _run([str(binary("llama-perplexity")), *_common_args(s), "-ctk", cfg.type_k, "-ctv", cfg.type_v,
+                "--kl-divergence-base", str(base), "--kl-divergence"])
+    return parse_kld(cfg.label, cfg, log)

@@ -1,0 +1,35 @@
+"""Markdown tables and the marked sections of docs/results.md that runs rewrite."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from .perplexity import KldResult
+
+
+def kld_table(results: Sequence[KldResult]) -> str:
+    rows = [
+        "| K/V | bpe K | bpe V | PPL | PPL ratio | mean KLD | KLD p99 | same top p |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r.label} | {r.bpe_k:.2f} | {r.bpe_v:.2f} | {r.ppl:.4f} | {r.ppl_ratio:.5f} "
+            f"| {r.kld_mean:.6f} ± {r.kld_mean_err:.6f} | {r.kld_p99:.5f} | {r.same_top_p:.2f}% |"
+        )
+    return "\n".join(rows)
+
+
+def replace_section(path: Path, name: str, body: str) -> None:
+    """Replaces the text between <!-- name:begin --> and <!-- name:end -->, appending if absent."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Results\n"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text, encoding="utf-8")
