@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from . import bench, corpus, models, perplexity, report
 from .kvtypes import DEFAULT_CONFIGS, KvConfig
@@ -47,6 +48,17 @@ def _machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
+def _emit(args: argparse.Namespace, argv: Sequence[str], table: str, rows: list[dict[str, Any]],
+          section: str, heading: str, context: str) -> None:
+    """Prints the table and writes the JSON file and the results section the user asked for."""
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    if args.results:
+        body = f"### {heading}\n\nCommand: `{_command_line(argv)}` ({context}{_machine()}).\n\n{table}\n"
+        report.replace_section(Path(args.results), section, body)
+
+
 def cmd_kld(args: argparse.Namespace, argv: Sequence[str]) -> int:
     settings = perplexity.RunSettings(
         model=models.fetch_model(args.model), corpus=corpus.corpus_file(),
@@ -56,16 +68,9 @@ def cmd_kld(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for cfg in _configs(args.configs):
         print(f"kvcomp kld: {cfg.label} ...", file=sys.stderr, flush=True)
         results.append(perplexity.run_kld(cfg, settings))
-    table = report.kld_table(results)
-    print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
-    if args.results:
-        body = (
-            f"### KLD vs f16 KV, {args.model}, ctx {args.ctx}, {args.chunks} chunks, {args.threads} threads\n\n"
-            f"Command: `{_command_line(argv)}` (corpus `{settings.corpus.name}`, {_machine()}).\n\n{table}\n"
-        )
-        report.replace_section(Path(args.results), f"kld-{args.model}-ctx{args.ctx}", body)
+    heading = f"KLD vs f16 KV, {args.model}, ctx {args.ctx}, {args.chunks} chunks, {args.threads} threads"
+    _emit(args, argv, report.kld_table(results), [r.as_dict() for r in results],
+          f"kld-{args.model}-ctx{args.ctx}", heading, f"corpus `{settings.corpus.name}`, ")
     return 0
 
 
@@ -75,16 +80,8 @@ def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for cfg in _configs(args.configs):
         print(f"kvcomp bench: {cfg.label} ...", file=sys.stderr, flush=True)
         results.extend(bench.run_bench(cfg, model, args.depths, args.n_gen, args.threads, args.reps))
-    table = bench.bench_table(results)
-    print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
-    if args.results:
-        body = (
-            f"### Decode speed, {args.model}, llama-bench -fa 1 -n {args.n_gen}, {args.threads} threads\n\n"
-            f"Command: `{_command_line(argv)}` ({_machine()}).\n\n{table}\n"
-        )
-        report.replace_section(Path(args.results), f"bench-{args.model}", body)
+    heading = f"Decode speed, {args.model}, llama-bench -fa 1 -n {args.n_gen}, {args.threads} threads"
+    _emit(args, argv, bench.bench_table(results), [asdict(r) for r in results], f"bench-{args.model}", heading, "")
     return 0
 
 

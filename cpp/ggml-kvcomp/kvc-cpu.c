@@ -148,65 +148,44 @@ static inline __m256i kvc_lut_avx2(const int8_t * levels, int n) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) t));
 }
 
-void ggml_vec_dot_kvc4_q8_0(int n, float * GGML_RESTRICT s, size_t bs,
-        const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc) {
-    assert(n % QK_KVC == 0);
-    assert(nrc == 1);
-    GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by); GGML_UNUSED(nrc);
-    const block_kvc4 * GGML_RESTRICT x = (const block_kvc4 *) vx;
-    const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *) vy;
-
-    const __m128i lut = _mm_loadu_si128((const __m128i *) kvalues_kvc4);
-    const __m128i m4  = _mm_set1_epi8(0xf);
-    __m256 acc = _mm256_setzero_ps();
-    for (int ib = 0; ib < n / QK_KVC; ++ib) {
-        const __m128i q  = _mm_loadu_si128((const __m128i *) x[ib].qs);
-        const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(q, m4));
-        const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(q, 4), m4));
-        const __m256i p  = kvc_dot_i8_groups(_mm256_set_m128i(hi, lo), _mm256_loadu_si256((const __m256i *) y[ib].qs));
-        const __m256  d  = kvc_sub_scales(kvc_e8_to_fp32(x[ib].e[0]), kvc_e8_to_fp32(x[ib].e[1]), GGML_CPU_FP16_TO_FP32(y[ib].d));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc);
-    }
-    *s = kvc_hsum_f32_8(acc);
+// Level indices of one block, byte i = code of value i.
+static inline __m256i kvc4_codes_avx2(const block_kvc4 * b) {
+    const __m128i q  = _mm_loadu_si128((const __m128i *) b->qs);
+    const __m128i m4 = _mm_set1_epi8(0xf);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
 }
 
-void ggml_vec_dot_kvc3_q8_0(int n, float * GGML_RESTRICT s, size_t bs,
-        const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc) {
-    assert(n % QK_KVC == 0);
-    assert(nrc == 1);
-    GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by); GGML_UNUSED(nrc);
-    const block_kvc3 * GGML_RESTRICT x = (const block_kvc3 *) vx;
-    const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *) vy;
-
-    const __m256i lut = kvc_lut_avx2(kvalues_kvc3, 8);
-    __m256 acc = _mm256_setzero_ps();
-    for (int ib = 0; ib < n / QK_KVC; ++ib) {
-        const __m256i c = _mm256_or_si256(kvc_unpack2_avx2(x[ib].ql), kvc_unpack_bit2_avx2(x[ib].qh));
-        const __m256i p = kvc_dot_i8_groups(_mm256_shuffle_epi8(lut, c), _mm256_loadu_si256((const __m256i *) y[ib].qs));
-        const __m256  d = kvc_sub_scales(kvc_e8_to_fp32(x[ib].e[0]), kvc_e8_to_fp32(x[ib].e[1]), GGML_CPU_FP16_TO_FP32(y[ib].d));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc);
-    }
-    *s = kvc_hsum_f32_8(acc);
+static inline __m256i kvc3_codes_avx2(const block_kvc3 * b) {
+    return _mm256_or_si256(kvc_unpack2_avx2(b->ql), kvc_unpack_bit2_avx2(b->qh));
 }
 
-void ggml_vec_dot_kvc2_q8_0(int n, float * GGML_RESTRICT s, size_t bs,
-        const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc) {
-    assert(n % QK_KVC == 0);
-    assert(nrc == 1);
-    GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by); GGML_UNUSED(nrc);
-    const block_kvc2 * GGML_RESTRICT x = (const block_kvc2 *) vx;
-    const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *) vy;
-
-    const __m256i lut = kvc_lut_avx2(kvalues_kvc2, 4);
-    __m256 acc = _mm256_setzero_ps();
-    for (int ib = 0; ib < n / QK_KVC; ++ib) {
-        const __m256i p = kvc_dot_i8_groups(_mm256_shuffle_epi8(lut, kvc_unpack2_avx2(x[ib].qs)),
-                                            _mm256_loadu_si256((const __m256i *) y[ib].qs));
-        const __m256  d = kvc_sub_scales(kvc_e8_to_fp32(x[ib].e[0]), kvc_e8_to_fp32(x[ib].e[1]), GGML_CPU_FP16_TO_FP32(y[ib].d));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc);
-    }
-    *s = kvc_hsum_f32_8(acc);
+static inline __m256i kvc2_codes_avx2(const block_kvc2 * b) {
+    return kvc_unpack2_avx2(b->qs);
 }
+
+#define KVC_VEC_DOT_AVX2(name, n_levels)                                                              \
+void ggml_vec_dot_##name##_q8_0(int n, float * GGML_RESTRICT s, size_t bs,                           \
+        const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc) { \
+    assert(n % QK_KVC == 0);                                                                          \
+    assert(nrc == 1);                                                                                 \
+    GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by); GGML_UNUSED(nrc);                              \
+    const block_##name * GGML_RESTRICT x = (const block_##name *) vx;                                 \
+    const block_q8_0   * GGML_RESTRICT y = (const block_q8_0 *) vy;                                   \
+    const __m256i lut = kvc_lut_avx2(kvalues_##name, n_levels);                                       \
+    __m256 acc = _mm256_setzero_ps();                                                                 \
+    for (int ib = 0; ib < n / QK_KVC; ++ib) {                                                         \
+        const __m256i v = _mm256_shuffle_epi8(lut, name##_codes_avx2(&x[ib]));                        \
+        const __m256i p = kvc_dot_i8_groups(v, _mm256_loadu_si256((const __m256i *) y[ib].qs));       \
+        const __m256  d = kvc_sub_scales(kvc_e8_to_fp32(x[ib].e[0]), kvc_e8_to_fp32(x[ib].e[1]),      \
+                                         GGML_CPU_FP16_TO_FP32(y[ib].d));                             \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc);                                         \
+    }                                                                                                 \
+    *s = kvc_hsum_f32_8(acc);                                                                         \
+}
+
+KVC_VEC_DOT_AVX2(kvc4, 16)
+KVC_VEC_DOT_AVX2(kvc3, 8)
+KVC_VEC_DOT_AVX2(kvc2, 4)
 
 void ggml_vec_dot_kvc8_q8_0(int n, float * GGML_RESTRICT s, size_t bs,
         const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc) {

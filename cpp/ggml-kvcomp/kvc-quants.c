@@ -93,11 +93,6 @@ static uint8_t kvc_quantize_sub(const kvc_codebook * cb, const float * x, int n,
     return (uint8_t) best_e;
 }
 
-static void kvc_quantize_block(const kvc_codebook * cb, const float * x, uint8_t e[2], uint8_t codes[QK_KVC]) {
-    e[0] = kvc_quantize_sub(cb, x,              QK_KVC_SUB, codes);
-    e[1] = kvc_quantize_sub(cb, x + QK_KVC_SUB, QK_KVC_SUB, codes + QK_KVC_SUB);
-}
-
 // Packs the low two bits of 32 codes: value 8*g + j goes to byte j, bits 2*g.
 static void kvc_pack2(const uint8_t codes[QK_KVC], uint8_t q[QK_KVC / 4]) {
     for (int j = 0; j < QK_KVC / 4; ++j) {
@@ -153,46 +148,55 @@ void quantize_row_kvc8_ref(const float * GGML_RESTRICT x, block_kvc8 * GGML_REST
     }
 }
 
-void quantize_row_kvc4_ref(const float * GGML_RESTRICT x, block_kvc4 * GGML_RESTRICT y, int64_t k) {
+// Packs the codes of one block into its type's layout (the steps are written by the caller).
+typedef void (*kvc_pack_t)(const uint8_t codes[QK_KVC], void * block);
+
+static void kvc_pack_kvc4(const uint8_t codes[QK_KVC], void * block) {
+    block_kvc4 * b = (block_kvc4 *) block;
+    for (int j = 0; j < QK_KVC / 2; ++j) {
+        b->qs[j] = (uint8_t) (codes[j] | codes[j + QK_KVC / 2] << 4);
+    }
+}
+
+static void kvc_pack_kvc3(const uint8_t codes[QK_KVC], void * block) {
+    block_kvc3 * b = (block_kvc3 *) block;
+    kvc_pack2(codes, b->ql);
+    memset(b->qh, 0, sizeof(b->qh));
+    for (int i = 0; i < QK_KVC; ++i) {
+        b->qh[i / 8] |= (uint8_t) (((codes[i] >> 2) & 1) << (i % 8));
+    }
+}
+
+static void kvc_pack_kvc2(const uint8_t codes[QK_KVC], void * block) {
+    kvc_pack2(codes, ((block_kvc2 *) block)->qs);
+}
+
+// Every low-bit block starts with its two step codes, followed by the packed codes.
+static void kvc_quantize_row_lowbit(const int8_t * levels, int n_levels, size_t block_size, kvc_pack_t pack,
+                                    const float * x, void * y, int64_t k) {
     assert(k % QK_KVC == 0);
     kvc_codebook cb;
-    kvc_codebook_init(&cb, kvalues_kvc4, 16);
+    kvc_codebook_init(&cb, levels, n_levels);
 
     for (int64_t b = 0; b < k / QK_KVC; ++b) {
-        uint8_t codes[QK_KVC];
-        kvc_quantize_block(&cb, x + b * QK_KVC, y[b].e, codes);
-        for (int j = 0; j < QK_KVC / 2; ++j) {
-            y[b].qs[j] = (uint8_t) (codes[j] | codes[j + QK_KVC / 2] << 4);
-        }
+        uint8_t * block = (uint8_t *) y + b * block_size;
+        uint8_t   codes[QK_KVC];
+        block[0] = kvc_quantize_sub(&cb, x + b * QK_KVC,              QK_KVC_SUB, codes);
+        block[1] = kvc_quantize_sub(&cb, x + b * QK_KVC + QK_KVC_SUB, QK_KVC_SUB, codes + QK_KVC_SUB);
+        pack(codes, block);
     }
+}
+
+void quantize_row_kvc4_ref(const float * GGML_RESTRICT x, block_kvc4 * GGML_RESTRICT y, int64_t k) {
+    kvc_quantize_row_lowbit(kvalues_kvc4, 16, sizeof(block_kvc4), kvc_pack_kvc4, x, y, k);
 }
 
 void quantize_row_kvc3_ref(const float * GGML_RESTRICT x, block_kvc3 * GGML_RESTRICT y, int64_t k) {
-    assert(k % QK_KVC == 0);
-    kvc_codebook cb;
-    kvc_codebook_init(&cb, kvalues_kvc3, 8);
-
-    for (int64_t b = 0; b < k / QK_KVC; ++b) {
-        uint8_t codes[QK_KVC];
-        kvc_quantize_block(&cb, x + b * QK_KVC, y[b].e, codes);
-        kvc_pack2(codes, y[b].ql);
-        memset(y[b].qh, 0, sizeof(y[b].qh));
-        for (int i = 0; i < QK_KVC; ++i) {
-            y[b].qh[i / 8] |= (uint8_t) (((codes[i] >> 2) & 1) << (i % 8));
-        }
-    }
+    kvc_quantize_row_lowbit(kvalues_kvc3, 8, sizeof(block_kvc3), kvc_pack_kvc3, x, y, k);
 }
 
 void quantize_row_kvc2_ref(const float * GGML_RESTRICT x, block_kvc2 * GGML_RESTRICT y, int64_t k) {
-    assert(k % QK_KVC == 0);
-    kvc_codebook cb;
-    kvc_codebook_init(&cb, kvalues_kvc2, 4);
-
-    for (int64_t b = 0; b < k / QK_KVC; ++b) {
-        uint8_t codes[QK_KVC];
-        kvc_quantize_block(&cb, x + b * QK_KVC, y[b].e, codes);
-        kvc_pack2(codes, y[b].qs);
-    }
+    kvc_quantize_row_lowbit(kvalues_kvc2, 4, sizeof(block_kvc2), kvc_pack_kvc2, x, y, k);
 }
 
 void dequantize_row_kvc8(const block_kvc8 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The test command: builds (reusing the cached build), prepares a virtualenv with the test
+# tools, then runs lint, type checks and the pytest suite, which also runs the C++ tests.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+venv=${KVCOMP_VENV:-$root/.venv}
+if [ ! -x "$venv/bin/pytest" ] || [ pyproject.toml -nt "$venv/bin/pytest" ]; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --upgrade pip
+    "$venv/bin/pip" install --quiet -e '.[test]'
+    touch "$venv/bin/pytest"
+fi
+
+scripts/build.sh >/dev/null
+"$venv/bin/ruff" check ggml_kvcomp tests scripts
+"$venv/bin/mypy"
+"$venv/bin/pytest" -v "$@"

@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import pytest
+
+from ggml_kvcomp.kvtypes import ALL_TYPES, BITS_PER_ELEMENT, KvConfig
+
+
+@pytest.mark.parametrize(("spec", "k", "v", "label"), [
+    ("kvc4", "kvc4", "kvc4", "kvc4"),
+    ("kvc8/kvc4", "kvc8", "kvc4", "kvc8/kvc4"),
+    ("q8_0/q8_0", "q8_0", "q8_0", "q8_0"),
+])
+def test_parse(spec: str, k: str, v: str, label: str) -> None:
+    cfg = KvConfig.parse(spec)
+    assert (cfg.type_k, cfg.type_v, cfg.label) == (k, v, label)
+
+
+@pytest.mark.parametrize("spec", ["kvc5", "q4_0/kvc1", "", "KVC4"])
+def test_parse_rejects_unknown_types(spec: str) -> None:
+    with pytest.raises(ValueError, match="unknown KV cache type"):
+        KvConfig.parse(spec)
+
+
+def test_every_type_has_a_size() -> None:
+    assert set(BITS_PER_ELEMENT) == set(ALL_TYPES)
