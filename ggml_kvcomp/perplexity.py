@@ -22,6 +22,7 @@ class RunSettings:
     chunks: int = 16
     threads: int = 2
     batch: int = 512
+    flash_attn: bool = True  # the base run always uses it; off measures the MUL_MAT path of K
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class KldResult:
 def _common_args(s: RunSettings) -> list[str]:
     return [
         "-m", str(s.model), "-f", str(s.corpus), "-c", str(s.ctx), "-b", str(s.batch),
-        "--chunks", str(s.chunks), "-t", str(s.threads), "-fa", "on", "--no-warmup",
+        "--chunks", str(s.chunks), "-t", str(s.threads), "--no-warmup",
         "-lv", "4",  # this level carries the KV size line and the model's dimensions
     ]
 
@@ -75,7 +76,7 @@ def base_logits(s: RunSettings) -> Path:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".part")
-        _run([str(binary("llama-perplexity")), *_common_args(s), "-ctk", "f16", "-ctv", "f16",
+        _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", "on", "-ctk", "f16", "-ctv", "f16",
               "--kl-divergence-base", str(tmp)])
         tmp.rename(out)
     return out
@@ -126,6 +127,7 @@ def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
 
 def run_kld(cfg: KvConfig, s: RunSettings) -> KldResult:
     base = base_logits(s)
-    log = _run([str(binary("llama-perplexity")), *_common_args(s), "-ctk", cfg.type_k, "-ctv", cfg.type_v,
+    fa = "on" if s.flash_attn else "off"
+    log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", fa, "-ctk", cfg.type_k, "-ctv", cfg.type_v,
                 "--kl-divergence-base", str(base), "--kl-divergence"])
     return parse_kld(cfg.label, cfg, log)

@@ -6,5 +6,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-scripts/build.sh >/dev/null
+log=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}/build.log
+mkdir -p "$(dirname "$log")"
+echo "building (log: $log) ..."
+scripts/build.sh >"$log" 2>&1 || { tail -n 60 "$log"; echo "build failed, see $log" >&2; exit 1; }
 python3 -m ggml_kvcomp kld --ctx 512 --chunks "${KVCOMP_CHUNKS:-16}" --threads 2 --results docs/results.md "$@"

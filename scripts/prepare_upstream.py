@@ -6,6 +6,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ggml_kvcomp.upstream import prepare  # noqa: E402
+from ggml_kvcomp.upstream import prepare
 
 print(prepare())

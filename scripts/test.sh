@@ -13,7 +13,10 @@ if [ ! -x "$venv/bin/pytest" ] || [ pyproject.toml -nt "$venv/bin/pytest" ]; the
     touch "$venv/bin/pytest"
 fi
 
-scripts/build.sh >/dev/null
+log=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}/build.log
+mkdir -p "$(dirname "$log")"
+echo "building (log: $log) ..."
+scripts/build.sh >"$log" 2>&1 || { tail -n 60 "$log"; echo "build failed, see $log" >&2; exit 1; }
 "$venv/bin/ruff" check ggml_kvcomp tests scripts
 "$venv/bin/mypy"
 "$venv/bin/pytest" -v "$@"

@@ -50,18 +50,11 @@ def test_kld_ordering(bins: Path, model: Path, text: Path) -> None:
     assert res["kvc4"].same_top_p > res["kvc2"].same_top_p
 
 
-def test_k_only_without_flash_attention(bins: Path, model: Path, text: Path) -> None:
-    on = subprocess.run(_ppl_args(bins, model, text, "-fa", "on", "-ctk", "kvc4", "-ctv", "f16"),
-                        capture_output=True, text=True, timeout=300)
-    off = subprocess.run(_ppl_args(bins, model, text, "-fa", "off", "-ctk", "kvc4", "-ctv", "f16"),
-                         capture_output=True, text=True, timeout=300)
-    assert on.returncode == 0 and off.returncode == 0, off.stderr[-2000:]
-
-    def ppl(log: str) -> float:
-        return float(log.split("Final estimate: PPL = ")[1].split()[0])
-
-    # same cache contents, two attention paths: PPL must agree closely
-    assert ppl(off.stdout + off.stderr) == pytest.approx(ppl(on.stdout + on.stderr), rel=2e-3)
+def test_k_only_without_flash_attention(model: Path, text: Path) -> None:
+    # K goes through MUL_MAT instead of FLASH_ATTN_EXT; V stays f16 as upstream requires
+    settings = perplexity.RunSettings(model=model, corpus=text, ctx=512, chunks=3, flash_attn=False)
+    kld = {k: perplexity.run_kld(KvConfig(k, "f16"), settings).kld_mean for k in ("f16", "q4_0", "kvc8", "kvc4")}
+    assert kld["f16"] < kld["kvc8"] < kld["kvc4"] < kld["q4_0"]
 
 
 def test_quantized_v_without_flash_attention_is_refused(bins: Path, model: Path, text: Path) -> None:

@@ -100,10 +100,6 @@ static void kvc_pack2(const uint8_t codes[QK_KVC], uint8_t q[QK_KVC / 4]) {
     }
 }
 
-static inline int kvc_unpack2(const uint8_t q[QK_KVC / 4], int i) {
-    return (q[i % 8] >> (2 * (i / 8))) & 3;
-}
-
 void quantize_row_kvc8_ref(const float * GGML_RESTRICT x, block_kvc8 * GGML_RESTRICT y, int64_t k) {
     assert(k % QK_KVC == 0);
     const int64_t nb = k / QK_KVC;
@@ -225,9 +221,12 @@ void dequantize_row_kvc3(const block_kvc3 * GGML_RESTRICT x, float * GGML_RESTRI
     assert(k % QK_KVC == 0);
     for (int64_t b = 0; b < k / QK_KVC; ++b) {
         const float d[2] = { kvc_e8_to_fp32(x[b].e[0]), kvc_e8_to_fp32(x[b].e[1]) };
-        for (int i = 0; i < QK_KVC; ++i) {
-            const int c = kvc_unpack2(x[b].ql, i) | ((x[b].qh[i / 8] >> (i % 8)) & 1) << 2;
-            y[b * QK_KVC + i] = d[i / QK_KVC_SUB] * kvalues_kvc3[c];
+        // value 8*g + j: constant shifts per (g, j) keep this loop cheap, it is on the V path of attention
+        for (int g = 0; g < 4; ++g) {
+            for (int j = 0; j < 8; ++j) {
+                const int c = ((x[b].ql[j] >> (2 * g)) & 3) | ((x[b].qh[g] >> j) & 1) << 2;
+                y[b * QK_KVC + 8 * g + j] = d[g / 2] * kvalues_kvc3[c];
+            }
         }
     }
 }
@@ -236,8 +235,10 @@ void dequantize_row_kvc2(const block_kvc2 * GGML_RESTRICT x, float * GGML_RESTRI
     assert(k % QK_KVC == 0);
     for (int64_t b = 0; b < k / QK_KVC; ++b) {
         const float d[2] = { kvc_e8_to_fp32(x[b].e[0]), kvc_e8_to_fp32(x[b].e[1]) };
-        for (int i = 0; i < QK_KVC; ++i) {
-            y[b * QK_KVC + i] = d[i / QK_KVC_SUB] * kvalues_kvc2[kvc_unpack2(x[b].qs, i)];
+        for (int g = 0; g < 4; ++g) {
+            for (int j = 0; j < 8; ++j) {
+                y[b * QK_KVC + 8 * g + j] = d[g / 2] * kvalues_kvc2[(x[b].qs[j] >> (2 * g)) & 3];
+            }
         }
     }
 }

@@ -198,7 +198,7 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d) {
     ggml_tensor * kq = ggml_cpy(g.ctx, tkf, ggml_new_tensor_3d(g.ctx, tk, d, n_kv, n_head_kv));
     ggml_tensor * vq = ggml_cpy(g.ctx, tvf, ggml_new_tensor_3d(g.ctx, tv, d, n_kv, n_head_kv));
     ggml_tensor * out = ggml_flash_attn_ext(g.ctx, tq, kq, vq, tm, scale, 0.0f, 0.0f);
-    ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
+    ggml_prec_set_acc(out, GGML_PREC_F32);
     g.compute(out);
 
     const auto kd = dequantize(tk, (uint8_t *) kq->data, d, n_head_kv * n_kv);
