@@ -56,8 +56,9 @@ def fetch_sdist(dl: Path) -> Path:
     return tarball
 
 
-def apply_patches(llama_dir: Path) -> None:
-    for p in patches():
+def apply_patches(llama_dir: Path, series: list[Path]) -> None:
+    """Applies the series in order; stops with the name of the first patch that does not apply."""
+    for p in series:
         for extra in (["--dry-run"], []):
             r = subprocess.run(
                 ["patch", "-p1", "--batch", "--forward", "--silent", *extra, "-i", str(p)],
@@ -83,7 +84,7 @@ def prepare() -> Path:
         llama_dir = tmp / SDIST / "vendor" / "llama.cpp"
         # the sdist keeps a submodule pointer that would make git-aware tools look elsewhere
         (llama_dir / ".git").unlink(missing_ok=True)
-        apply_patches(llama_dir)
+        apply_patches(llama_dir, patches())
         (tmp / ".kvcomp-ready").write_text(tree_key() + "\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

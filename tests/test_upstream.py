@@ -1,0 +1,59 @@
+"""The patch series step: applies in order, and a patch that does not apply stops with its name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ggml_kvcomp import upstream
+
+GOOD = """--- a/f.txt
++++ b/f.txt
+@@ -1,2 +1,2 @@
+ one
+-two
++2
+"""
+
+BAD = """--- a/f.txt
++++ b/f.txt
+@@ -1,2 +1,2 @@
+ one
+-three
++3
+"""
+
+
+def _series(tmp_path: Path, *bodies: str) -> list[Path]:
+    out = []
+    for i, body in enumerate(bodies, 1):
+        p = tmp_path / f"{i:04d}-p{i}.patch"
+        p.write_text(body)
+        out.append(p)
+    return out
+
+
+def test_series_applies_in_order(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "f.txt").write_text("one\ntwo\n")
+    upstream.apply_patches(tree, _series(tmp_path, GOOD))
+    assert (tree / "f.txt").read_text() == "one\n2\n"
+
+
+def test_failing_patch_is_named_and_tree_untouched(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "f.txt").write_text("one\ntwo\n")
+    with pytest.raises(SystemExit, match="patch 0001-p1.patch failed to apply"):
+        upstream.apply_patches(tree, _series(tmp_path, BAD))
+    assert (tree / "f.txt").read_text() == "one\ntwo\n"  # the dry run came first
+
+
+def test_real_series_is_ordered_and_thin() -> None:
+    series = upstream.patches()
+    assert [p.name[:4] for p in series] == [f"{i:04d}" for i in range(1, len(series) + 1)]
+    for p in series:
+        added = [ln for ln in p.read_text().splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+        assert len(added) <= 12, f"{p.name} adds {len(added)} lines: logic belongs in cpp/, not in hunks"
