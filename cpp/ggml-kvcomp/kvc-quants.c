@@ -32,12 +32,25 @@ static void kvc_codebook_init(kvc_codebook * cb, const int8_t * levels, int n) {
     }
 }
 
+// Index of the level nearest to v (ties go down). A branch-free count of the thresholds
+// below v measured faster here than a binary search or a cell table.
 static inline int kvc_nearest(const kvc_codebook * cb, float v) {
     int c = 0;
     for (int i = 0; i + 1 < cb->n; ++i) {
         c += v > cb->mid[i];
     }
     return c;
+}
+
+// Round to nearest (ties to even) for |v| < 2^22 without a libm call: the base library is
+// built for baseline x86-64, where roundf is not inlined.
+static inline int kvc_nearest_int(float v) {
+    union { float f; int32_t i; } u = { v + 12582912.0f };
+    return (u.i & 0x007fffff) - 0x00400000;
+}
+
+static inline int kvc_clamp127(int q) {
+    return q < -127 ? -127 : q > 127 ? 127 : q;
 }
 
 static inline uint8_t kvc_fp32_to_e8(float d) {
@@ -125,7 +138,7 @@ void quantize_row_kvc8_ref(const float * GGML_RESTRICT x, block_kvc8 * GGML_REST
             const float id = 1.0f / d;
             float err = 0.0f;
             for (int i = 0; i < QK_KVC; ++i) {
-                const float q    = fminf(127.0f, fmaxf(-127.0f, roundf(v[i] * id)));
+                const float q    = (float) kvc_clamp127(kvc_nearest_int(v[i] * id));
                 const float diff = v[i] - d * q;
                 err += diff * diff;
             }
@@ -139,7 +152,7 @@ void quantize_row_kvc8_ref(const float * GGML_RESTRICT x, block_kvc8 * GGML_REST
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         y[b].d = best_d;
         for (int i = 0; i < QK_KVC; ++i) {
-            y[b].qs[i] = (int8_t) fminf(127.0f, fmaxf(-127.0f, roundf(v[i] * id)));
+            y[b].qs[i] = (int8_t) kvc_clamp127(kvc_nearest_int(v[i] * id));
         }
     }
 }
@@ -217,16 +230,21 @@ void dequantize_row_kvc4(const block_kvc4 * GGML_RESTRICT x, float * GGML_RESTRI
     }
 }
 
+// Byte j of a two-bit plane holds values j, j + 8, j + 16, j + 24; decoding a byte at a time
+// keeps the shifts constant, which matters on the V path of attention.
 void dequantize_row_kvc3(const block_kvc3 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
     assert(k % QK_KVC == 0);
     for (int64_t b = 0; b < k / QK_KVC; ++b) {
-        const float d[2] = { kvc_e8_to_fp32(x[b].e[0]), kvc_e8_to_fp32(x[b].e[1]) };
-        // value 8*g + j: constant shifts per (g, j) keep this loop cheap, it is on the V path of attention
-        for (int g = 0; g < 4; ++g) {
-            for (int j = 0; j < 8; ++j) {
-                const int c = ((x[b].ql[j] >> (2 * g)) & 3) | ((x[b].qh[g] >> j) & 1) << 2;
-                y[b * QK_KVC + 8 * g + j] = d[g / 2] * kvalues_kvc3[c];
-            }
+        const float d0 = kvc_e8_to_fp32(x[b].e[0]);
+        const float d1 = kvc_e8_to_fp32(x[b].e[1]);
+        const uint8_t * qh = x[b].qh;
+        float * yb = y + b * QK_KVC;
+        for (int j = 0; j < 8; ++j) {
+            const int q = x[b].ql[j];
+            yb[j]      = d0 * kvalues_kvc3[((q     ) & 3) | ((qh[0] >> j) & 1) << 2];
+            yb[j +  8] = d0 * kvalues_kvc3[((q >> 2) & 3) | ((qh[1] >> j) & 1) << 2];
+            yb[j + 16] = d1 * kvalues_kvc3[((q >> 4) & 3) | ((qh[2] >> j) & 1) << 2];
+            yb[j + 24] = d1 * kvalues_kvc3[((q >> 6)    ) | ((qh[3] >> j) & 1) << 2];
         }
     }
 }
@@ -234,11 +252,15 @@ void dequantize_row_kvc3(const block_kvc3 * GGML_RESTRICT x, float * GGML_RESTRI
 void dequantize_row_kvc2(const block_kvc2 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
     assert(k % QK_KVC == 0);
     for (int64_t b = 0; b < k / QK_KVC; ++b) {
-        const float d[2] = { kvc_e8_to_fp32(x[b].e[0]), kvc_e8_to_fp32(x[b].e[1]) };
-        for (int g = 0; g < 4; ++g) {
-            for (int j = 0; j < 8; ++j) {
-                y[b * QK_KVC + 8 * g + j] = d[g / 2] * kvalues_kvc2[(x[b].qs[j] >> (2 * g)) & 3];
-            }
+        const float d0 = kvc_e8_to_fp32(x[b].e[0]);
+        const float d1 = kvc_e8_to_fp32(x[b].e[1]);
+        float * yb = y + b * QK_KVC;
+        for (int j = 0; j < 8; ++j) {
+            const int q = x[b].qs[j];
+            yb[j]      = d0 * kvalues_kvc2[(q     ) & 3];
+            yb[j +  8] = d0 * kvalues_kvc2[(q >> 2) & 3];
+            yb[j + 16] = d1 * kvalues_kvc2[(q >> 4) & 3];
+            yb[j + 24] = d1 * kvalues_kvc2[(q >> 6)    ];
         }
     }
 }
