@@ -32,6 +32,14 @@ void quantize_row_kvc2(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, in
     quantize_row_kvc2_ref(x, (block_kvc2 *) y, k);
 }
 
+// Shared head of every vec_dot: one row pair, blocks aligned with q8_0's.
+#define KVC_VEC_DOT_PROLOGUE(name)                                              \
+    assert(n % QK_KVC == 0);                                                    \
+    assert(nrc == 1);                                                           \
+    GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by); GGML_UNUSED(nrc);        \
+    const block_##name * GGML_RESTRICT x = (const block_##name *) vx;           \
+    const block_q8_0   * GGML_RESTRICT y = (const block_q8_0 *) vy
+
 // Scalar reference. The low-bit types decode each block into int8 level values first, so
 // all four share one integer dot product with two sub-block steps.
 
@@ -68,11 +76,7 @@ static inline float kvc_dot_sub(const int8_t v[QK_KVC], const block_q8_0 * y, fl
 #define KVC_VEC_DOT_GENERIC(name)                                                                     \
 void ggml_vec_dot_##name##_q8_0_generic(int n, float * GGML_RESTRICT s, size_t bs,                   \
         const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc) { \
-    assert(n % QK_KVC == 0);                                                                          \
-    assert(nrc == 1);                                                                                 \
-    GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by); GGML_UNUSED(nrc);                              \
-    const block_##name * GGML_RESTRICT x = (const block_##name *) vx;                                 \
-    const block_q8_0   * GGML_RESTRICT y = (const block_q8_0 *) vy;                                   \
+    KVC_VEC_DOT_PROLOGUE(name);                                                                       \
     float sumf = 0.0f;                                                                                \
     for (int ib = 0; ib < n / QK_KVC; ++ib) {                                                         \
         int8_t v[QK_KVC];                                                                             \
@@ -88,11 +92,7 @@ KVC_VEC_DOT_GENERIC(kvc2)
 
 void ggml_vec_dot_kvc8_q8_0_generic(int n, float * GGML_RESTRICT s, size_t bs,
         const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc) {
-    assert(n % QK_KVC == 0);
-    assert(nrc == 1);
-    GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by); GGML_UNUSED(nrc);
-    const block_kvc8 * GGML_RESTRICT x = (const block_kvc8 *) vx;
-    const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *) vy;
+    KVC_VEC_DOT_PROLOGUE(kvc8);
     float sumf = 0.0f;
     for (int ib = 0; ib < n / QK_KVC; ++ib) {
         int sumi = 0;
@@ -166,11 +166,7 @@ static inline __m256i kvc2_codes_avx2(const block_kvc2 * b) {
 #define KVC_VEC_DOT_AVX2(name, n_levels)                                                              \
 void ggml_vec_dot_##name##_q8_0(int n, float * GGML_RESTRICT s, size_t bs,                           \
         const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc) { \
-    assert(n % QK_KVC == 0);                                                                          \
-    assert(nrc == 1);                                                                                 \
-    GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by); GGML_UNUSED(nrc);                              \
-    const block_##name * GGML_RESTRICT x = (const block_##name *) vx;                                 \
-    const block_q8_0   * GGML_RESTRICT y = (const block_q8_0 *) vy;                                   \
+    KVC_VEC_DOT_PROLOGUE(name);                                                                       \
     const __m256i lut = kvc_lut_avx2(kvalues_##name, n_levels);                                       \
     __m256 acc = _mm256_setzero_ps();                                                                 \
     for (int ib = 0; ib < n / QK_KVC; ++ib) {                                                         \
@@ -189,11 +185,7 @@ KVC_VEC_DOT_AVX2(kvc2, 4)
 
 void ggml_vec_dot_kvc8_q8_0(int n, float * GGML_RESTRICT s, size_t bs,
         const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc) {
-    assert(n % QK_KVC == 0);
-    assert(nrc == 1);
-    GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by); GGML_UNUSED(nrc);
-    const block_kvc8 * GGML_RESTRICT x = (const block_kvc8 *) vx;
-    const block_q8_0 * GGML_RESTRICT y = (const block_q8_0 *) vy;
+    KVC_VEC_DOT_PROLOGUE(kvc8);
 
     __m256 acc = _mm256_setzero_ps();
     for (int ib = 0; ib < n / QK_KVC; ++ib) {
