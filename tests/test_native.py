@@ -1,4 +1,4 @@
-"""Runs the C++ tests (cpp/tests) and requires every check in them to pass."""
+"""Runs the C++ tests (cpp/tests) and requires every check in them to pass; test-kvc-llama gets SmolLM2."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops"])
-def test_cpp(bins: Path, name: str) -> None:
-    proc = subprocess.run([str(bins / name)], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-llama"])
+def test_cpp(bins: Path, model: Path, name: str) -> None:
+    args = [str(bins / name)] + ([str(model)] if name == "test-kvc-llama" else [])
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     m = re.search(r"(\d+) passed, (\d+) failed", proc.stdout)
     assert m, proc.stdout[-2000:] + proc.stderr[-2000:]
     failed = [line for line in proc.stdout.splitlines() if "[FAIL]" in line]
