@@ -265,10 +265,6 @@ void dequantize_row_kvc2(const block_kvc2 * GGML_RESTRICT x, float * GGML_RESTRI
     }
 }
 
-bool ggml_kvcomp_is_kvc_type(enum ggml_type type) {
-    return type >= GGML_KVCOMP_TYPE_FIRST && type <= GGML_KVCOMP_TYPE_LAST;
-}
-
 enum ggml_type ggml_kvcomp_type_from_name(const char * name) {
     for (int t = GGML_KVCOMP_TYPE_FIRST; t <= GGML_KVCOMP_TYPE_LAST; ++t) {
         if (strcmp(name, ggml_type_name((enum ggml_type) t)) == 0) {
@@ -276,15 +272,4 @@ enum ggml_type ggml_kvcomp_type_from_name(const char * name) {
         }
     }
     return GGML_TYPE_COUNT;
-}
-
-size_t ggml_kvcomp_quantize(enum ggml_type type, const float * src, void * dst, int64_t nrows, int64_t n_per_row) {
-    GGML_ASSERT(ggml_kvcomp_is_kvc_type(type));
-    GGML_ASSERT(n_per_row % QK_KVC == 0);
-
-    const size_t row_size = ggml_row_size(type, n_per_row);
-    for (int64_t r = 0; r < nrows; ++r) {
-        ggml_get_type_traits(type)->from_float_ref(src + r * n_per_row, (char *) dst + r * row_size, n_per_row);
-    }
-    return nrows * row_size;
 }
