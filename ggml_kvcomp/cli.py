@@ -64,13 +64,15 @@ def cmd_kld(args: argparse.Namespace, argv: Sequence[str]) -> int:
         model=models.fetch_model(args.model), corpus=corpus.corpus_file(),
         ctx=args.ctx, chunks=args.chunks, threads=args.threads,
     )
+    configs = _configs(args.configs)
     results = []
-    for cfg in _configs(args.configs):
+    for cfg in configs:
         print(f"kvcomp kld: {cfg.label} ...", file=sys.stderr, flush=True)
         results.append(perplexity.run_kld(cfg, settings))
     heading = f"KLD vs f16 KV, {args.model}, ctx {args.ctx}, {args.chunks} chunks, {args.threads} threads"
+    section = f"kld-{args.model}-ctx{args.ctx}" + ("-buffer" if any(c.buffered for c in configs) else "")
     _emit(args, argv, report.kld_table(results), [r.as_dict() for r in results],
-          f"kld-{args.model}-ctx{args.ctx}", heading, f"corpus `{settings.corpus.name}`, ")
+          section, heading, f"corpus `{settings.corpus.name}`, ")
     return 0
 
 
@@ -91,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS))
-        sp.add_argument("--configs", help="comma-separated K/V types, 'k/v' for a mixed pair "
+        sp.add_argument("--configs", help="comma-separated K/V types, 'k/v' for a mixed pair, ':w32' / ':s4' "
+                        "for a residual-buffer window / sinks "
                         "(default: f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,kvc2,kvc8/kvc4)")
         sp.add_argument("--threads", type=_positive, default=2)
         sp.add_argument("--json", help="also write the results as JSON to this file")

@@ -11,6 +11,8 @@ from pathlib import Path
 from .kvtypes import BITS_PER_ELEMENT, KvConfig
 from .paths import binary, cache_dir
 
+BUFFERED_UBATCH = 32
+
 
 @dataclass(frozen=True)
 class RunSettings:
@@ -32,6 +34,7 @@ class KldResult:
     type_v: str
     bpe_k: float
     bpe_v: float
+    bpe_buffer: float  # F16 slots of the residual buffer, amortized over the context
     ppl: float
     ppl_base: float
     ppl_ratio: float
@@ -42,7 +45,7 @@ class KldResult:
 
     @property
     def bpe(self) -> float:
-        return (self.bpe_k + self.bpe_v) / 2
+        return (self.bpe_k + self.bpe_v) / 2 + self.bpe_buffer
 
     def as_dict(self) -> dict[str, float | str]:
         d: dict[str, float | str] = asdict(self)
@@ -105,7 +108,13 @@ def parse_kv_bpe(log: str) -> tuple[float, float]:
     return (float(m.group(3)) * mib / (cells * layers * n_k), float(m.group(4)) * mib / (cells * layers * n_v))
 
 
-def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
+def parse_buffer_bpe(log: str, ctx: int) -> float:
+    """Bits per cached element that the residual buffer adds: F16 slots spread over ctx cells."""
+    m = re.search(r"kvcomp: residual buffer: .*?(\d+) slots", log)
+    return 16.0 * int(m.group(1)) / ctx if m else 0.0
+
+
+def parse_kld(label: str, cfg: KvConfig, log: str, ctx: int) -> KldResult:
     kld = re.search(r"^Mean\s+KLD:\s*([\d.eE+-]+)\s*±\s*([\d.eE+-]+)", log, re.MULTILINE)
     if not kld:
         raise ValueError("llama-perplexity output lacks 'Mean KLD'")
@@ -115,6 +124,7 @@ def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
         type_v=cfg.type_v,
         bpe_k=BITS_PER_ELEMENT[cfg.type_k],
         bpe_v=BITS_PER_ELEMENT[cfg.type_v],
+        bpe_buffer=parse_buffer_bpe(log, ctx),
         ppl=_number(r"^Mean PPL\(Q\)\s*:\s*([\d.]+)", log),
         ppl_base=_number(r"^Mean PPL\(base\)\s*:\s*([\d.]+)", log),
         ppl_ratio=_number(r"^Mean PPL\(Q\)/PPL\(base\)\s*:\s*([\d.]+)", log),
@@ -128,6 +138,8 @@ def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
 def run_kld(cfg: KvConfig, s: RunSettings) -> KldResult:
     base = base_logits(s)
     fa = "on" if s.flash_attn else "off"
-    log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", fa, "-ctk", cfg.type_k, "-ctv", cfg.type_v,
+    # the buffer holds one ubatch besides the window, so buffered runs use small ubatches
+    ub = ["-ub", str(BUFFERED_UBATCH)] if cfg.buffered else []
+    log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", fa, *cfg.tool_args(), *ub,
                 "--kl-divergence-base", str(base), "--kl-divergence"])
-    return parse_kld(cfg.label, cfg, log)
+    return parse_kld(cfg.label, cfg, log, s.ctx)

@@ -21,5 +21,18 @@ def test_parse_rejects_unknown_types(spec: str) -> None:
         KvConfig.parse(spec)
 
 
+def test_parse_buffer_knobs() -> None:
+    cfg = KvConfig.parse("kvc4:w32:s4")
+    assert (cfg.window, cfg.sinks, cfg.label, cfg.buffered) == (32, 4, "kvc4:w32:s4", True)
+    assert cfg.tool_args() == ["-ctk", "kvc4", "-ctv", "kvc4", "--kv-comp-window", "32", "--kv-comp-sinks", "4"]
+    assert not KvConfig.parse("kvc4").buffered
+
+
+@pytest.mark.parametrize("spec", ["kvc4:x3", "kvc4:w", "kvc4:w-1", "kvc4:s1.5"])
+def test_parse_rejects_bad_knobs(spec: str) -> None:
+    with pytest.raises(ValueError, match="bad knob"):
+        KvConfig.parse(spec)
+
+
 def test_every_type_has_a_size() -> None:
     assert set(BITS_PER_ELEMENT) == set(ALL_TYPES)

@@ -10,9 +10,13 @@
 // - seq_cp and seq_rm + re-decode give the logits of the uninterrupted run;
 // - a context shift (seq_rm of the first tokens + seq_add) stays as close to f16's shift as
 //   the type is to f16 without one, up to the extra rounding of the shifted keys.
+// Then the residual buffer on kvc4: window 0 is the plain cache, a window covering the
+// context is f16, and the window sliding through a prompt gives the same logits however the
+// prompt is split.
 
 #include "kvc-test-util.h"
 #include "llama.h"
+#include "llama-kvcomp.h"
 
 #include <algorithm>
 #include <cstring>
@@ -187,6 +191,100 @@ type_result test_type(report & rep, llama_model * model, const std::vector<llama
     return res;
 }
 
+llama_context * make_buffered_ctx(llama_model * model, ggml_type type, int32_t window, int32_t sinks) {
+    llama_context * ctx = make_ctx(model, type);
+    llama_kvcomp_params kp = llama_kvcomp_default_params();
+    kp.window = window;
+    kp.sinks  = sinks;
+    if (llama_kvcomp_configure(ctx, &kp) != 0) {
+        llama_free(ctx);
+        return nullptr;
+    }
+    return ctx;
+}
+
+// The residual buffer (docs/design-residual-buffer.md) on a kvc4 cache.
+void test_residual_buffer(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
+    const int n = 300;
+    std::vector<float> f16, plain;
+    {
+        ctx_ptr c{ make_ctx(model, GGML_TYPE_F16) };
+        f16 = decode(c.ctx, toks, 0, n, n);
+    }
+    {
+        ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
+        plain = decode(c.ctx, toks, 0, n, n);
+    }
+    const double d_plain = rel_diff(plain, f16);
+
+    {
+        ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
+        llama_kvcomp_params kp = llama_kvcomp_default_params();
+        kp.window = -1;
+        rep.check(llama_kvcomp_configure(c.ctx, &kp) == -1, "buffer: a negative window is refused");
+    }
+    {
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx = 512;
+        cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        ctx_ptr c{ llama_init_from_model(model, cp) };
+        llama_kvcomp_params kp = llama_kvcomp_default_params();
+        kp.window = 32;
+        rep.check(c.ctx && llama_kvcomp_configure(c.ctx, &kp) == -2, "buffer: refused without flash attention");
+    }
+    {
+        ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 0, 0) };
+        rep.check(c.ctx && decode(c.ctx, toks, 0, n, n) == plain, "buffer: window 0 without sinks is the plain kvc4 cache, bit-exact");
+    }
+    {
+        // every key exact: f16 values through an f32 attention path; upstream's own f16 path
+        // differences on this metric are ~2e-2
+        ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 512, 0) };
+        const double d = rel_diff(decode(c.ctx, toks, 0, n, n), f16);
+        rep.check(d <= 3e-2 && d < 0.5 * d_plain, "buffer: window >= context is f16: %.2e <= 3e-2 (plain kvc4 %.2e)", d, d_plain);
+    }
+    for (int w : { 32, 128 }) {
+        std::vector<float> whole, by16, by8, by1;
+        {
+            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, w, 0) };
+            whole = decode(c.ctx, toks, 0, n, n);
+        }
+        {
+            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, w, 0) };
+            by16 = decode(c.ctx, toks, 0, n, 16);
+        }
+        {
+            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, w, 0) };
+            by8 = decode(c.ctx, toks, 0, n, 8);
+        }
+        {
+            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, w, 0) };
+            by1 = decode(c.ctx, toks, 0, n, 1);
+        }
+        // 16 and 8 take the same attention kernel, so the same keys give the same bits;
+        // one ubatch (tiled kernel) and single tokens (split-KV kernel) sum differently
+        rep.check(!by8.empty() && by16 == by8, "buffer W=%d: ubatches of 16 and of 8 are bit-identical (window slides inside the prompt)", w);
+        rep.check(rel_diff(whole, by16) <= 5e-2 && rel_diff(by1, by16) <= 5e-2,
+            "buffer W=%d: one ubatch %.2e, token by token %.2e vs ubatches of 16, <= 5e-2 (f16's own kernel spread ~2e-2)",
+            w, rel_diff(whole, by16), rel_diff(by1, by16));
+        rep.check(rel_diff(whole, f16) < d_plain, "buffer W=%d: closer to f16 than plain kvc4 (%.2e < %.2e)", w, rel_diff(whole, f16), d_plain);
+    }
+    {
+        // sinks stay exact after the window has moved past them, in every split
+        std::vector<float> by16, by8;
+        {
+            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 16, 4) };
+            by16 = decode(c.ctx, toks, 0, n, 16);
+        }
+        {
+            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 16, 4) };
+            by8 = decode(c.ctx, toks, 0, n, 8);
+        }
+        rep.check(!by8.empty() && by16 == by8, "buffer W=16 S=4: ubatches of 16 and of 8 are bit-identical");
+        rep.check(by16 != plain, "buffer W=16 S=4: differs from the plain cache");
+    }
+}
+
 } // namespace
 
 int main(int argc, char ** argv) {
@@ -210,7 +308,7 @@ int main(int argc, char ** argv) {
 
     // a fixed, deterministic prompt of ordinary text
     std::string text;
-    for (int i = 0; text.size() < 2000; ++i) {
+    for (int i = 0; text.size() < 3000; ++i) {
         text += "The cache stores keys and values for every token of every layer, and block " + std::to_string(i) +
                 " of the text repeats with a different number so that the tokens vary. ";
     }
@@ -220,7 +318,7 @@ int main(int argc, char ** argv) {
     toks.resize(std::max(n, 0));
 
     report rep;
-    rep.check(n >= 100, "prompt has %d tokens", n);
+    rep.check(n >= 300, "prompt has %d tokens", n);
     if (n >= 100) {
         const type_result ref = test_type(rep, model, toks, GGML_TYPE_F16);
         for (ggml_type t : { GGML_TYPE_KVC8, GGML_TYPE_KVC4, GGML_TYPE_KVC3 }) {
@@ -232,6 +330,9 @@ int main(int argc, char ** argv) {
             rep.check(shift <= 3.0 * plain + 1e-2, "%s after a context shift vs f16 %.2e <= 3 x %.2e + 1e-2",
                 ggml_type_name(t), shift, plain);
         }
+    }
+    if (n >= 300) {
+        test_residual_buffer(rep, model, toks);
     }
 
     llama_model_free(model);
