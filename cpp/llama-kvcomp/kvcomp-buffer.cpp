@@ -17,6 +17,8 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     // and the sinks of each sequence
     const uint32_t n = n_ubatch + n_seq_max * (uint32_t) (params.window + params.sinks);
     slot_cell.assign(n, -1);
+    // one more row, never attended: where a token without a slot writes its row
+    const uint32_t n_rows = n + 1;
     slot_pos.assign(n, -1);
     cell_slot.assign(kv.get_size(), -1);
 
@@ -36,8 +38,8 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         layer_of_il[l.il] = (int32_t) k_buf.size();
         k_written.push_back(nullptr);
         v_written.push_back(nullptr);
-        k_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.k->ne[0], n));
-        v_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.v->ne[0], n));
+        k_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.k->ne[0], n_rows));
+        v_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.v->ne[0], n_rows));
         ggml_format_name(k_buf.back(), "kvcomp_k_l%u", l.il);
         ggml_format_name(v_buf.back(), "kvcomp_v_l%u", l.il);
     }
@@ -116,7 +118,10 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const std::vector<uin
                 ++next_free;
             }
             if (next_free == n_slots()) {
-                throw std::runtime_error("kvcomp: residual buffer is full");
+                // cannot happen with the sizing above; if it does, the token is attended
+                // through its quantized row, which is correct, only not exact
+                LLAMA_LOG_WARN("%s: residual buffer full, position %d stays quantized\n", __func__, ubatch.pos[i]);
+                continue;
             }
             s = (int32_t) next_free;
         }
@@ -153,7 +158,7 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
 
 void llama_kvcomp_buffer::set_input_slot_idxs(int64_t * dst, const std::vector<uint32_t> & cells) const {
     for (size_t i = 0; i < cells.size(); ++i) {
-        dst[i] = cell_slot[cells[i]];
+        dst[i] = cell_slot[cells[i]] >= 0 ? cell_slot[cells[i]] : n_slots();
     }
 }
 
