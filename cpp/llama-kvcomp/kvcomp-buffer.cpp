@@ -65,6 +65,11 @@ bool llama_kvcomp_buffer::is_exact(llama_pos key, llama_pos query) const {
     return key < params.sinks || key > query - params.window;
 }
 
+void llama_kvcomp_buffer::reset() {
+    std::fill(slot_cell.begin(), slot_cell.end(), -1);
+    std::fill(cell_slot.begin(), cell_slot.end(), -1);
+}
+
 void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const std::vector<uint32_t> & cells_ub, const llama_ubatch & ubatch) {
     const auto & cells = kv.v_cells[0];
 

@@ -34,6 +34,10 @@ struct llama_kvcomp_buffer {
     // still see exactly, and give every token of the ubatch a slot.
     void apply(const llama_kv_cache & kv, const std::vector<uint32_t> & cells, const llama_ubatch & ubatch);
 
+    // Forgets every slot: the cells they shadow were replaced (state load). Those tokens are
+    // attended through their quantized rows from now on.
+    void reset();
+
     // Writes the ubatch's rows into the main cache (returned) and into the slots (kept for
     // the get() of the same layer in the same graph); `idxs` holds main rows then slot rows.
     ggml_tensor * cpy(ggml_context * ctx, ggml_tensor * cache, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_k) const;

@@ -270,6 +270,31 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
         rep.check(rel_diff(whole, f16) < d_plain, "buffer W=%d: closer to f16 than plain kvc4 (%.2e < %.2e)", w, rel_diff(whole, f16), d_plain);
     }
     {
+        // a state loaded into a context whose buffer shadows other tokens at the same
+        // positions must not be attended through those stale exact rows
+        std::vector<uint8_t> state;
+        std::vector<llama_token> other(toks.rbegin(), toks.rbegin() + 64);
+        {
+            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 32, 4) };
+            decode(c.ctx, toks, 0, 64, 64);
+            state.resize(llama_state_get_size(c.ctx));
+            state.resize(llama_state_get_data(c.ctx, state.data(), state.size()));
+        }
+        std::vector<float> used, fresh;
+        {
+            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 32, 4) };
+            decode(c.ctx, other, 0, 64, 64);
+            llama_state_set_data(c.ctx, state.data(), state.size());
+            used = decode(c.ctx, toks, 64, 65, 1);
+        }
+        {
+            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 32, 4) };
+            llama_state_set_data(c.ctx, state.data(), state.size());
+            fresh = decode(c.ctx, toks, 64, 65, 1);
+        }
+        rep.check(!used.empty() && used == fresh, "buffer: a state loaded over other tokens continues like a fresh load");
+    }
+    {
         // sinks stay exact after the window has moved past them, in every split
         std::vector<float> by16, by8;
         {
