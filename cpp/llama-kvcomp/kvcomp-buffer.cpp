@@ -1,13 +1,11 @@
 #include "kvcomp-buffer.h"
 
 #include "llama-batch.h"
-#include "llama-context.h"
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <map>
 #include <stdexcept>
 

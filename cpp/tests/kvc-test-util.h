@@ -57,16 +57,25 @@ inline double nmse(const float * a, const float * b, size_t n) {
     return den > 0.0 ? num / den : num;
 }
 
-inline std::vector<float> round_trip(ggml_type type, const std::vector<float> & x, int n) {
-    const int64_t n_rows = (int64_t) x.size() / n;
-    std::vector<uint8_t> q(ggml_row_size(type, n) * n_rows);
-    std::vector<float> y(x.size());
-    const auto * tt = ggml_get_type_traits(type);
-    for (int64_t r = 0; r < n_rows; ++r) {
-        tt->from_float_ref(x.data() + r * n, q.data() + r * ggml_row_size(type, n), n);
-        tt->to_float(q.data() + r * ggml_row_size(type, n), y.data() + r * n, n);
+inline std::vector<uint8_t> quantize_ref(ggml_type type, const std::vector<float> & x, int n) {
+    const size_t rs = ggml_row_size(type, n);
+    std::vector<uint8_t> q(rs * (x.size() / n));
+    for (size_t r = 0; r < x.size() / n; ++r) {
+        ggml_get_type_traits(type)->from_float_ref(x.data() + r * n, q.data() + r * rs, n);
+    }
+    return q;
+}
+
+inline std::vector<float> dequantize(ggml_type type, const uint8_t * q, int n, int n_rows) {
+    std::vector<float> y((size_t) n * n_rows);
+    for (int r = 0; r < n_rows; ++r) {
+        ggml_get_type_traits(type)->to_float(q + r * ggml_row_size(type, n), y.data() + (size_t) r * n, n);
     }
     return y;
+}
+
+inline std::vector<float> round_trip(ggml_type type, const std::vector<float> & x, int n) {
+    return dequantize(type, quantize_ref(type, x, n).data(), n, (int) (x.size() / n));
 }
 
 struct report {

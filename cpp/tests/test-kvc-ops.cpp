@@ -49,23 +49,6 @@ void fill(ggml_tensor * t, const std::vector<float> & v) {
     memcpy(t->data, v.data(), ggml_nbytes(t));
 }
 
-std::vector<uint8_t> quantize_ref(ggml_type type, const std::vector<float> & x, int n) {
-    const size_t rs = ggml_row_size(type, n);
-    std::vector<uint8_t> q(rs * (x.size() / n));
-    for (size_t r = 0; r < x.size() / n; ++r) {
-        ggml_get_type_traits(type)->from_float_ref(x.data() + r * n, q.data() + r * rs, n);
-    }
-    return q;
-}
-
-std::vector<float> dequantize(ggml_type type, const uint8_t * q, int n, int n_rows) {
-    std::vector<float> y((size_t) n * n_rows);
-    for (int r = 0; r < n_rows; ++r) {
-        ggml_get_type_traits(type)->to_float(q + r * ggml_row_size(type, n), y.data() + (size_t) r * n, n);
-    }
-    return y;
-}
-
 void test_set_get_rows(report & rep, ggml_type type, int d) {
     const int n_src = 7;
     const int n_dst = 16;
