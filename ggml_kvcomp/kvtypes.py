@@ -19,6 +19,16 @@ BITS_PER_ELEMENT: dict[str, float] = {
 }
 
 
+# Residual buffer knobs in a config spec: letter -> (field, flag).
+KNOBS: dict[str, tuple[str, str]] = {
+    "w": ("window", "--kv-comp-window"),
+    "s": ("sinks", "--kv-comp-sinks"),
+    "n": ("merge_interval", "--kv-comp-merge-interval"),
+    "p": ("pin_threshold", "--kv-comp-pin-threshold"),
+    "b": ("pin_budget", "--kv-comp-pin-budget"),
+}
+
+
 @dataclass(frozen=True)
 class KvConfig:
     """One KV cache configuration to measure: K and V types and the residual buffer knobs."""
@@ -27,6 +37,9 @@ class KvConfig:
     type_v: str
     window: int = 0  # --kv-comp-window
     sinks: int = 0  # --kv-comp-sinks
+    merge_interval: int = 1  # --kv-comp-merge-interval
+    pin_threshold: float = 0.0  # --kv-comp-pin-threshold
+    pin_budget: float = 1.0  # --kv-comp-pin-budget (per cent of cells)
 
     def __post_init__(self) -> None:
         for t in (self.type_k, self.type_v):
@@ -34,37 +47,57 @@ class KvConfig:
                 raise ValueError(f"unknown KV cache type {t!r}; known: {', '.join(ALL_TYPES)}")
         if self.window < 0 or self.sinks < 0:
             raise ValueError("window and sinks must be >= 0")
+        if self.merge_interval < 1:
+            raise ValueError("the merge interval must be >= 1")
+        if self.pin_threshold < 0 or not 0 <= self.pin_budget <= 100:
+            raise ValueError("the pin threshold must be >= 0 and the pin budget in [0, 100]")
+
+    def _knobs(self) -> list[tuple[str, str, float]]:
+        """(letter, flag, value) of every knob that differs from its default."""
+        defaults = KvConfig(self.type_k, self.type_v)
+        return [(letter, flag, getattr(self, field)) for letter, (field, flag) in KNOBS.items()
+                if getattr(self, field) != getattr(defaults, field)]
 
     @property
     def label(self) -> str:
         base = self.type_k if self.type_k == self.type_v else f"{self.type_k}/{self.type_v}"
-        return base + (f":w{self.window}" if self.window else "") + (f":s{self.sinks}" if self.sinks else "")
+        return base + "".join(f":{letter}{value:g}" for letter, _, value in self._knobs())
 
     @property
     def buffered(self) -> bool:
-        return self.window > 0 or self.sinks > 0
+        return self.window > 0 or self.sinks > 0 or self.pin_threshold > 0
 
     def tool_args(self) -> list[str]:
         args = ["-ctk", self.type_k, "-ctv", self.type_v]
-        if self.buffered:
-            args += ["--kv-comp-window", str(self.window), "--kv-comp-sinks", str(self.sinks)]
+        for _, flag, value in self._knobs():
+            args += [flag, f"{value:g}"]
         return args
 
     @classmethod
     def parse(cls, spec: str) -> KvConfig:
-        """'kvc4' means K and V kvc4; 'kvc8/kvc4' means K kvc8, V kvc4; ':w32' adds a 32-position
-        exact window and ':s4' four exact sink positions, e.g. 'kvc4:w32:s4'."""
+        """'kvc4' means K and V kvc4; 'kvc8/kvc4' means K kvc8, V kvc4. Buffer knobs follow
+        as ':<letter><value>': w window, s sinks, n merge interval, p pin threshold,
+        b pin budget (per cent), e.g. 'kvc4:w32:s4' or 'kvc4:w32:p0.2:b2'."""
         types, *knobs = spec.split(":")
         k, _, v = types.partition("/")
-        window = sinks = 0
+        values: dict[str, float] = {}
         for knob in knobs:
-            if len(knob) < 2 or knob[0] not in "ws" or not knob[1:].isdigit():
-                raise ValueError(f"bad knob {knob!r} in {spec!r}: expected w<N> or s<N>")
-            if knob[0] == "w":
-                window = int(knob[1:])
+            letter, text = knob[:1], knob[1:]
+            try:
+                value = float(text)
+            except ValueError:
+                value = float("nan")
+            if letter not in KNOBS or value != value:
+                raise ValueError(f"bad knob {knob!r} in {spec!r}: expected one of "
+                                 f"{', '.join(letter + '<N>' for letter in KNOBS)}")
+            field = KNOBS[letter][0]
+            if field in ("window", "sinks", "merge_interval"):
+                if not text.isdigit():
+                    raise ValueError(f"bad knob {knob!r} in {spec!r}: {field} takes a whole number")
+                values[field] = int(text)
             else:
-                sinks = int(knob[1:])
-        return cls(k, v or k, window, sinks)
+                values[field] = value
+        return cls(k, v or k, **values)  # type: ignore[arg-type]
 
 
 # The side-by-side set of the foundation run: upstream references first.

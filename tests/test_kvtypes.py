@@ -28,7 +28,24 @@ def test_parse_buffer_knobs() -> None:
     assert not KvConfig.parse("kvc4").buffered
 
 
-@pytest.mark.parametrize("spec", ["kvc4:x3", "kvc4:w", "kvc4:w-1", "kvc4:s1.5"])
+def test_parse_pin_and_merge_knobs() -> None:
+    cfg = KvConfig.parse("kvc3:w16:n4:p0.25:b2.5")
+    assert (cfg.merge_interval, cfg.pin_threshold, cfg.pin_budget) == (4, 0.25, 2.5)
+    assert cfg.label == "kvc3:w16:n4:p0.25:b2.5"
+    assert cfg.tool_args()[4:] == [
+        "--kv-comp-window", "16", "--kv-comp-merge-interval", "4",
+        "--kv-comp-pin-threshold", "0.25", "--kv-comp-pin-budget", "2.5",
+    ]
+    assert KvConfig.parse("kvc4:p0.1").buffered
+
+
+@pytest.mark.parametrize("spec", ["kvc4:n0", "kvc4:b101", "kvc4:p-1"])
+def test_parse_rejects_bad_knob_values(spec: str) -> None:
+    with pytest.raises(ValueError):
+        KvConfig.parse(spec)
+
+
+@pytest.mark.parametrize("spec", ["kvc4:x3", "kvc4:w", "kvc4:w-1", "kvc4:s1.5", "kvc4:pabc"])
 def test_parse_rejects_bad_knobs(spec: str) -> None:
     with pytest.raises(ValueError, match="bad knob"):
         KvConfig.parse(spec)

@@ -1,24 +1,42 @@
 #include "kvcomp-buffer.h"
 
 #include "llama-batch.h"
+#include "llama-cparams.h"
+#include "llama-graph.h"
 #include "llama-impl.h"
-#include "llama-kv-cache.h"
+#include "llama-io.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <stdexcept>
 
+// "KVCB": the buffer's part of a state, after upstream's cells
+static constexpr uint32_t KVCOMP_STATE_MAGIC   = 0x4243564b;
+static constexpr uint32_t KVCOMP_STATE_VERSION = 1;
+
 llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max)
-    : params(params) {
-    // every query of a ubatch may need the exact rows of its own ubatch plus the window
-    // and the sinks of each sequence
-    const uint32_t n = n_ubatch + n_seq_max * (uint32_t) (params.window + params.sinks);
+    : params(params), n_ubatch(n_ubatch) {
+    pin_budget = params.pin_threshold > 0.0f ? (uint32_t) std::ceil(params.pin_budget / 100.0f * kv.get_size()) : 0;
+
+    // While a ubatch runs, its queries read the window before it from slots (W - 1 per
+    // sequence) and its own rows from the graph, and the rows later queries need are written
+    // to slots (up to W per sequence, or every row when outliers are measured). Sinks stay,
+    // tokens that left the window wait up to N - 1 ubatches for the next merge, and pins
+    // have their budget.
+    const uint32_t n_window = n_seq_max * (uint32_t) (params.window + params.sinks + params.merge_interval - 1);
+    const uint32_t n_new    = params.pin_threshold > 0.0f ? n_ubatch : std::min(n_seq_max * (uint32_t) params.window, n_ubatch);
+    const uint32_t n        = n_window + n_new + pin_budget;
     slot_cell.assign(n, -1);
+    slot_pos.assign(n, -1);
+    slot_kinds.assign(n, SLOT_KIND_FREE);
+    slot_err.assign(n, 0.0f);
+    cell_slot.assign(kv.get_size(), -1);
+    cell_ub.assign(kv.get_size(), -1);
+
     // one more row, never attended: where a token without a slot writes its row
     const uint32_t n_rows = n + 1;
-    slot_pos.assign(n, -1);
-    cell_slot.assign(kv.get_size(), -1);
 
     ggml_init_params ip = { 2 * kv.layers.size() * ggml_tensor_overhead(), nullptr, true };
     ctx = ggml_init(ip);
@@ -34,13 +52,15 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
 
     for (const auto & l : kv.layers) {
         layer_of_il[l.il] = (int32_t) k_buf.size();
-        k_written.push_back(nullptr);
-        v_written.push_back(nullptr);
         k_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.k->ne[0], n_rows));
         v_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.v->ne[0], n_rows));
         ggml_format_name(k_buf.back(), "kvcomp_k_l%u", l.il);
         ggml_format_name(v_buf.back(), "kvcomp_v_l%u", l.il);
     }
+    k_written.assign(k_buf.size(), nullptr);
+    v_written.assign(k_buf.size(), nullptr);
+    k_cur.assign(k_buf.size(), nullptr);
+    v_cur.assign(k_buf.size(), nullptr);
 
     // the slots live next to the cache they shadow
     buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_buffer_get_type(kv.layers[0].k->buffer));
@@ -50,8 +70,10 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     }
     ggml_backend_buffer_clear(buf, 0);
 
-    LLAMA_LOG_INFO("kvcomp: residual buffer: window = %d, sinks = %d, %u slots, %.2f MiB\n",
-            params.window, params.sinks, n, ggml_backend_buffer_get_size(buf) / (1024.0 * 1024.0));
+    LLAMA_LOG_INFO("kvcomp: residual buffer: window = %d, sinks = %d, merge interval = %d, pin threshold = %.3f, "
+            "pin budget = %u cells, %u slots, %.2f MiB\n",
+            params.window, params.sinks, params.merge_interval, params.pin_threshold, pin_budget, n,
+            ggml_backend_buffer_get_size(buf) / (1024.0 * 1024.0));
 }
 
 llama_kvcomp_buffer::~llama_kvcomp_buffer() {
@@ -59,50 +81,179 @@ llama_kvcomp_buffer::~llama_kvcomp_buffer() {
     ggml_free(ctx);
 }
 
-bool llama_kvcomp_buffer::is_exact(llama_pos key, llama_pos query) const {
-    return key < params.sinks || key > query - params.window;
+bool llama_kvcomp_buffer::is_exact(llama_pos key, llama_pos query, bool pinned) const {
+    return pinned || key < params.sinks || key > query - params.window;
 }
 
-void llama_kvcomp_buffer::reset() {
-    std::fill(slot_cell.begin(), slot_cell.end(), -1);
-    std::fill(cell_slot.begin(), cell_slot.end(), -1);
+void llama_kvcomp_buffer::free_slot(uint32_t s) {
+    if (slot_cell[s] >= 0) {
+        cell_slot[slot_cell[s]] = -1;
+    }
+    slot_cell[s]  = -1;
+    slot_kinds[s] = SLOT_KIND_FREE;
+}
+
+void llama_kvcomp_buffer::set_slot(uint32_t s, uint32_t cell, llama_pos pos, slot_kind kind) {
+    slot_cell[s]  = (int32_t) cell;
+    slot_pos[s]   = pos;
+    slot_kinds[s] = kind;
+    slot_err[s]   = 0.0f;
+    cell_slot[cell] = (int32_t) s;
+}
+
+uint32_t llama_kvcomp_buffer::n_main(uint32_t n_kv, uint32_t kv_size, int32_t il, bool is_k) const {
+    const ggml_tensor * cur = (is_k ? k_cur : v_cur)[layer_of_il[il]];
+    const uint32_t extra = n_extra(cur ? (uint32_t) cur->ne[1] : 0);
+    GGML_ASSERT(n_kv > extra);
+    // a worst-case reserve graph reports n_extra_max() on top of the whole cache
+    return std::min(n_kv - extra, kv_size);
+}
+
+// ||x - deq(q(x))|| / ||x|| over the token's K and V rows in every layer: x is the slot's
+// F16 row, deq(q(x)) the main cache's row.
+float llama_kvcomp_buffer::measure(const llama_kv_cache & kv, uint32_t s) const {
+    const uint32_t c = (uint32_t) slot_cell[s];
+    double err = 0.0, ref = 0.0;
+    std::vector<uint8_t> raw;
+    std::vector<ggml_fp16_t> exact;
+    std::vector<float> x, y;
+    for (size_t ib = 0; ib < k_buf.size(); ++ib) {
+        for (int is_k = 0; is_k < 2; ++is_k) {
+            const ggml_tensor * main = is_k ? kv.layers[ib].k : kv.layers[ib].v;
+            const ggml_tensor * slots = is_k ? k_buf[ib] : v_buf[ib];
+            const int64_t n = main->ne[0];
+            raw.resize(main->nb[1]);
+            exact.resize(n);
+            x.resize(n);
+            y.resize(n);
+            ggml_backend_tensor_get(main, raw.data(), c * main->nb[1], main->nb[1]);
+            ggml_backend_tensor_get(slots, exact.data(), s * slots->nb[1], slots->nb[1]);
+            ggml_fp16_to_fp32_row(exact.data(), x.data(), n);
+            if (main->type == GGML_TYPE_F32) {
+                std::memcpy(y.data(), raw.data(), n * sizeof(float));
+            } else {
+                ggml_get_type_traits(main->type)->to_float(raw.data(), y.data(), n);
+            }
+            for (int64_t i = 0; i < n; ++i) {
+                err += (double) (x[i] - y[i]) * (x[i] - y[i]);
+                ref += (double) x[i] * x[i];
+            }
+        }
+    }
+    return ref > 0.0 ? (float) std::sqrt(err / ref) : 0.0f;
+}
+
+// A measured token that left the window: an outlier stays (pinned) within the budget, the
+// least harmful pin making room for a worse one; everything else is released.
+void llama_kvcomp_buffer::pin_or_free(uint32_t s) {
+    if (params.pin_threshold <= 0.0f || slot_err[s] <= params.pin_threshold || pin_budget == 0) {
+        free_slot(s);
+        return;
+    }
+    uint32_t n_pinned = 0;
+    int32_t  weakest  = -1;
+    for (uint32_t t = 0; t < n_slots(); ++t) {
+        if (slot_kinds[t] == SLOT_KIND_PINNED) {
+            ++n_pinned;
+            if (weakest < 0 || slot_err[t] < slot_err[weakest]) {
+                weakest = (int32_t) t;
+            }
+        }
+    }
+    if (n_pinned >= pin_budget) {
+        if (slot_err[weakest] >= slot_err[s]) {
+            evicted_err_max = std::max(evicted_err_max, slot_err[s]);
+            free_slot(s);
+            return;
+        }
+        evicted_err_max = std::max(evicted_err_max, slot_err[weakest]);
+        free_slot((uint32_t) weakest);
+    }
+    slot_kinds[s] = SLOT_KIND_PINNED;
 }
 
 void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const std::vector<uint32_t> & cells_ub, const llama_ubatch & ubatch) {
     const auto & cells = kv.v_cells[0];
 
-    // the earliest query of each sequence from now on
-    std::map<llama_seq_id, llama_pos> first_query;
+    for (uint32_t c : ub_cells) {
+        cell_ub[c] = -1;
+    }
+    ub_cells = cells_ub;
+    for (uint32_t i = 0; i < cells_ub.size(); ++i) {
+        cell_ub[cells_ub[i]] = (int32_t) i;
+    }
+
+    // the earliest query of each sequence in this ubatch, and the first one after it
+    std::map<llama_seq_id, llama_pos> first_query, next_query;
     for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
-        for (int32_t s = 0; s < ubatch.n_seq_id[i]; ++s) {
-            auto it = first_query.find(ubatch.seq_id[i][s]);
+        for (int32_t j = 0; j < ubatch.n_seq_id[i]; ++j) {
+            const llama_seq_id seq = ubatch.seq_id[i][j];
+            auto it = first_query.find(seq);
             if (it == first_query.end() || ubatch.pos[i] < it->second) {
-                first_query[ubatch.seq_id[i][s]] = ubatch.pos[i];
+                first_query[seq] = ubatch.pos[i];
             }
+            next_query[seq] = std::max(next_query.count(seq) ? next_query[seq] : 0, ubatch.pos[i] + 1);
         }
     }
 
+    // a cell that was removed, overwritten (now or by a state load) or moved no longer
+    // matches the row in its slot; rows written by the last ubatch get their error measured
+    uint32_t n_used = 0;
     for (uint32_t s = 0; s < n_slots(); ++s) {
         const int32_t c = slot_cell[s];
         if (c < 0) {
             continue;
         }
-        // a removed, overwritten or shifted cell no longer matches the row in its slot
-        bool keep = !cells.is_empty(c) && cells.pos_get(c) == slot_pos[s];
-        if (keep && slot_pos[s] >= params.sinks) {
-            keep = false;
+        if (cells.is_empty(c) || cells.pos_get(c) != slot_pos[s] || cell_ub[c] >= 0) {
+            free_slot(s);
+            continue;
+        }
+        if (slot_kinds[s] == SLOT_KIND_STAGED) {
+            slot_err[s] = measure(kv, s);
+        }
+        ++n_used;
+    }
+
+    // the tokens of this ubatch that a later query sees exactly
+    std::vector<bool> needs_slot(cells_ub.size(), params.pin_threshold > 0.0f);
+    uint32_t n_needed = 0;
+    for (uint32_t i = 0; i < cells_ub.size(); ++i) {
+        for (int32_t j = 0; j < ubatch.n_seq_id[i] && !needs_slot[i]; ++j) {
+            needs_slot[i] = is_exact(ubatch.pos[i], next_query[ubatch.seq_id[i][j]], false);
+        }
+        n_needed += needs_slot[i];
+    }
+
+    // merge (release) on the fixed interval, when the slots fill past merge_at, or when this
+    // ubatch would not fit
+    ++n_applied;
+    const bool merge = n_applied % (uint64_t) params.merge_interval == 0 ||
+                       n_used >= params.merge_at * n_slots() ||
+                       n_used + n_needed > n_slots();
+    if (merge) {
+        ++n_merges;
+        for (uint32_t s = 0; s < n_slots(); ++s) {
+            const int32_t c = slot_cell[s];
+            if (c < 0 || slot_kinds[s] == SLOT_KIND_PINNED || slot_pos[s] < params.sinks) {
+                continue;
+            }
+            bool keep = false;
             for (llama_seq_id seq = 0; seq < LLAMA_MAX_SEQ && !keep; ++seq) {
                 if (!cells.seq_has(c, seq)) {
                     continue;
                 }
                 const auto it = first_query.find(seq);
-                const llama_pos q = it != first_query.end() ? it->second : cells.seq_pos_max(seq) + 1;
-                keep = is_exact(slot_pos[s], q);
+                keep = is_exact(slot_pos[s], it != first_query.end() ? it->second : cells.seq_pos_max(seq) + 1, false);
+            }
+            if (!keep) {
+                pin_or_free(s);
+                n_released += slot_kinds[s] == SLOT_KIND_FREE;
             }
         }
-        if (!keep) {
-            cell_slot[c] = -1;
-            slot_cell[s] = -1;
+    }
+    for (uint32_t s = 0; s < n_slots(); ++s) {
+        if (slot_kinds[s] == SLOT_KIND_STAGED) {
+            slot_kinds[s] = SLOT_KIND_ROW;
         }
     }
 
@@ -111,26 +262,26 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const std::vector<uin
     // order, and a different order alone moves logits by ~1e-2 on SmolLM2.
     uint32_t next_free = 0;
     for (uint32_t i = 0; i < cells_ub.size(); ++i) {
-        const uint32_t c = cells_ub[i];
-        int32_t s = cell_slot[c];
-        if (s < 0 && slot_cell[ubatch.pos[i] % n_slots()] < 0) {
-            s = ubatch.pos[i] % n_slots();
+        if (!needs_slot[i]) {
+            continue;
         }
-        if (s < 0) {
+        int32_t s = -1;
+        if (slot_cell[ubatch.pos[i] % n_slots()] < 0) {
+            s = ubatch.pos[i] % n_slots();
+        } else {
             while (next_free < n_slots() && slot_cell[next_free] >= 0) {
                 ++next_free;
             }
             if (next_free == n_slots()) {
-                // cannot happen with the sizing above; if it does, the token is attended
+                // pins and rows still in some window fill every slot: the token is attended
                 // through its quantized row, which is correct, only not exact
                 LLAMA_LOG_WARN("%s: residual buffer full, position %d stays quantized\n", __func__, ubatch.pos[i]);
+                ++n_overflow;
                 continue;
             }
             s = (int32_t) next_free;
         }
-        slot_cell[s] = (int32_t) c;
-        slot_pos[s]  = ubatch.pos[i];
-        cell_slot[c] = s;
+        set_slot((uint32_t) s, cells_ub[i], ubatch.pos[i], params.pin_threshold > 0.0f ? SLOT_KIND_STAGED : SLOT_KIND_ROW);
     }
 }
 
@@ -141,22 +292,31 @@ ggml_tensor * llama_kvcomp_buffer::cpy(ggml_context * ctx0, ggml_tensor * cache,
 
     const int32_t ib = layer_of_il[il];
     (is_k ? k_written : v_written)[ib] = ggml_set_rows(ctx0, (is_k ? k_buf : v_buf)[ib], cur, idx_slot);
+    (is_k ? k_cur : v_cur)[ib] = cur;
 
     return ggml_set_rows(ctx0, cache, cur, idx_main);
 }
 
 ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_view, int32_t il, bool is_k) const {
     const int32_t ib = layer_of_il[il];
+    const int64_t ne0 = main_view->ne[0];
+    const int64_t ne1 = main_view->ne[1];
 
-    // reading through the write of this graph (if any) orders the write before the read
     ggml_tensor * & written = (is_k ? k_written : v_written)[ib];
+    ggml_tensor * & cur     = (is_k ? k_cur : v_cur)[ib];
     ggml_tensor * slots = written ? written : (is_k ? k_buf : v_buf)[ib];
+
+    ggml_tensor * sv = ggml_view_4d(ctx0, slots, ne0, ne1, n_slots(), 1,
+            ggml_row_size(slots->type, ne0), slots->nb[1], slots->nb[1] * n_slots(), 0);
+    ggml_tensor * res = ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F32), ggml_cast(ctx0, sv, GGML_TYPE_F32), 2);
+    if (cur) {
+        ggml_tensor * uv = ggml_view_4d(ctx0, cur, ne0, ne1, cur->ne[1], 1,
+                ggml_row_size(cur->type, ne0), cur->nb[1], cur->nb[1] * cur->ne[1], 0);
+        res = ggml_concat(ctx0, res, ggml_cast(ctx0, uv, GGML_TYPE_F32), 2);
+    }
     written = nullptr;
-
-    ggml_tensor * sv = ggml_view_4d(ctx0, slots, main_view->ne[0], main_view->ne[1], n_slots(), 1,
-            ggml_row_size(slots->type, main_view->ne[0]), slots->nb[1], slots->nb[1] * n_slots(), 0);
-
-    return ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F32), ggml_cast(ctx0, sv, GGML_TYPE_F32), 2);
+    cur     = nullptr;
+    return res;
 }
 
 void llama_kvcomp_buffer::set_input_slot_idxs(int64_t * dst, const std::vector<uint32_t> & cells) const {
@@ -169,7 +329,8 @@ void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tens
                                             const std::function<void(float *, int64_t)> & fill_main) const {
     const auto & cells = kv.v_cells[0];
     const int64_t n_kv    = dst->ne[0];
-    const int64_t n_main  = n_kv - n_slots();
+    const int64_t n_ub    = (int64_t) ub_cells.size();
+    const int64_t n_main  = n_kv - n_extra((uint32_t) n_ub);
     const int64_t n_rows  = dst->ne[1] * dst->ne[2] * dst->ne[3];
 
     std::vector<float> main((size_t) n_main * n_rows);
@@ -182,8 +343,19 @@ void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tens
         for (int64_t j = 0; j < n_main; ++j) {
             const float m = main[r * n_main + j];
             row[j] = m;
-            const int32_t s = j < (int64_t) cell_slot.size() ? cell_slot[j] : -1;
-            if (s >= 0 && m != -INFINITY && is_exact(cells.pos_get(j), p)) {
+            if (m == -INFINITY) {
+                continue;
+            }
+            const llama_pos q = cells.pos_get(j);
+            if (cell_ub[j] >= 0) {
+                if (is_exact(q, p, false)) {
+                    row[n_main + n_slots() + cell_ub[j]] = m;
+                    row[j] = -INFINITY;
+                }
+                continue;
+            }
+            const int32_t s = cell_slot[j];
+            if (s >= 0 && is_exact(q, p, slot_kinds[s] == SLOT_KIND_PINNED)) {
                 row[n_main + s] = m;
                 row[j] = -INFINITY;
             }
@@ -196,8 +368,253 @@ void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tens
     }
 }
 
+void llama_kvcomp_buffer::set_input_shift(const llama_kv_cache & kv) {
+    const auto & cells = kv.v_cells[0];
+    int32_t * data = (int32_t *) shift_input->data;
+    for (uint32_t s = 0; s < n_slots(); ++s) {
+        const int32_t c = slot_cell[s];
+        data[s] = 0;
+        // a slot written at the cell's old position moves with it
+        if (c >= 0 && !cells.is_empty(c) && cells.get_shift(c) != 0 && cells.pos_get(c) - cells.get_shift(c) == slot_pos[s]) {
+            data[s] = cells.get_shift(c);
+            slot_pos[s] = cells.pos_get(c);
+        }
+    }
+    data[n_slots()] = 0;
+}
+
+namespace {
+
+class llm_graph_input_kvcomp_shift : public llm_graph_input_i {
+public:
+    llm_graph_input_kvcomp_shift(const llama_kv_cache & kv, llama_kvcomp_buffer & buf) : kv(kv), buf(buf) {}
+
+    void set_input(const llama_ubatch * ubatch) override {
+        GGML_UNUSED(ubatch);
+        buf.set_input_shift(kv);
+    }
+
+    const llama_kv_cache & kv;
+    llama_kvcomp_buffer & buf;
+};
+
+} // namespace
+
+ggml_tensor * llama_kvcomp_buffer::build_input_shift(const llama_kv_cache & kv, ggml_context * ctx0, llm_graph_result * res) {
+    shift_input = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, n_slots() + 1);
+    ggml_set_input(shift_input);
+    res->add_input(std::make_unique<llm_graph_input_kvcomp_shift>(kv, *this));
+    return shift_input;
+}
+
+ggml_tensor * llama_kvcomp_buffer::build_shift(const llama_kv_cache & kv, ggml_context * ctx0, const llama_cparams & cparams,
+                                               ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors,
+                                               float freq_base, float freq_scale, uint32_t il) const {
+    const auto & hparams = kv.hparams;
+    ggml_tensor * slots = k_buf[layer_of_il[il]];
+
+    const int64_t n_embd_head = hparams.n_embd_head_k(il);
+    const int64_t n_rot       = hparams.n_rot(il);
+    const int64_t n_embd_nope = hparams.n_lora_kv > 0 ? n_embd_head - n_rot : 0;
+    ggml_tensor * view = ggml_view_3d(ctx0, slots, n_rot, hparams.n_head_kv(il), slots->ne[1],
+            ggml_row_size(slots->type, n_embd_head), slots->nb[1], ggml_row_size(slots->type, n_embd_nope));
+
+    // the rows are stored rotated like the main rows: unrotate, RoPE in F32 (upstream's own
+    // shift of an unquantized cache), rotate back
+    ggml_tensor * tmp = ggml_cast(ctx0, view, GGML_TYPE_F32);
+    tmp = rot ? llama_mul_mat_hadamard(ctx0, tmp, rot) : tmp;
+    tmp = kv.build_rope_shift(cparams, ctx0, tmp, shift, nullptr, factors, freq_base, freq_scale, il);
+    tmp = rot ? llama_mul_mat_hadamard(ctx0, tmp, rot) : tmp;
+    return ggml_cpy(ctx0, tmp, view);
+}
+
+void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cache & kv, llama_seq_id seq_id) const {
+    const auto & cells = kv.v_cells[0];
+
+    // upstream writes the cells it saves in index order; a slot names its cell by that rank
+    std::vector<uint32_t> entry_rank, entry_slot;
+    uint32_t rank = 0;
+    for (uint32_t c = 0; c < cells.size(); ++c) {
+        if (cells.is_empty(c) || (seq_id != -1 && !cells.seq_has(c, seq_id))) {
+            continue;
+        }
+        if (cell_slot[c] >= 0 && slot_pos[cell_slot[c]] == cells.pos_get(c)) {
+            entry_rank.push_back(rank);
+            entry_slot.push_back((uint32_t) cell_slot[c]);
+        }
+        ++rank;
+    }
+
+    const uint32_t header[] = {
+        KVCOMP_STATE_MAGIC, KVCOMP_STATE_VERSION, (uint32_t) k_buf.size(), (uint32_t) k_buf[0]->ne[0],
+        (uint32_t) v_buf[0]->ne[0], n_slots(), (uint32_t) entry_rank.size(),
+    };
+    io.write(header, sizeof(header));
+    for (size_t e = 0; e < entry_rank.size(); ++e) {
+        const uint32_t s = entry_slot[e];
+        const uint8_t kind = slot_kinds[s];
+        io.write(&entry_rank[e], sizeof(uint32_t));
+        io.write(&s,             sizeof(uint32_t));
+        io.write(&kind,          sizeof(kind));
+        io.write(&slot_err[s],   sizeof(float));
+    }
+    for (size_t ib = 0; ib < k_buf.size(); ++ib) {
+        for (ggml_tensor * t : { k_buf[ib], v_buf[ib] }) {
+            for (uint32_t s : entry_slot) {
+                io.write_tensor(t, s * t->nb[1], t->nb[1]);
+            }
+        }
+    }
+}
+
+void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, llama_seq_id seq_id,
+                                     const llama_kv_cache::slot_info_vec_t & sinfos) {
+    // the restored cells hold other tokens now
+    const std::vector<uint32_t> none;
+    const std::vector<uint32_t> & restored = !sinfos.empty() && !sinfos[0].empty() ? sinfos[0].idxs[0] : none;
+    for (uint32_t s = 0; s < n_slots(); ++s) {
+        const int32_t c = slot_cell[s];
+        if (c >= 0 && (seq_id == -1 || std::find(restored.begin(), restored.end(), (uint32_t) c) != restored.end())) {
+            free_slot(s);
+        }
+    }
+
+    try {
+        uint32_t header[7];
+        io.read(header, sizeof(header));
+        if (header[0] != KVCOMP_STATE_MAGIC) {
+            throw std::runtime_error("no residual buffer section (was the state saved without --kv-comp-*?)");
+        }
+        if (header[1] != KVCOMP_STATE_VERSION) {
+            throw std::runtime_error("residual buffer section version " + std::to_string(header[1]) + ", expected " +
+                                     std::to_string(KVCOMP_STATE_VERSION));
+        }
+        if (header[2] != k_buf.size() || header[3] != k_buf[0]->ne[0] || header[4] != v_buf[0]->ne[0]) {
+            throw std::runtime_error("residual buffer section is for another model");
+        }
+        const uint32_t n_entries = header[6];
+        if (n_entries > restored.size()) {
+            throw std::runtime_error("residual buffer section holds more rows than the state has cells");
+        }
+
+        // a slot goes back where it was when this buffer has the same size, so the keys
+        // reach attention in the same order as before the save
+        std::vector<uint32_t> dst(n_entries);
+        std::vector<slot_kind> kinds(n_entries);
+        std::vector<float> errs(n_entries);
+        std::vector<uint32_t> cells_of(n_entries);
+        std::vector<bool> taken(n_slots(), false);
+        for (uint32_t s = 0; s < n_slots(); ++s) {
+            taken[s] = slot_cell[s] >= 0;
+        }
+        for (uint32_t e = 0; e < n_entries; ++e) {
+            uint32_t r, s;
+            uint8_t kind;
+            io.read(&r,       sizeof(r));
+            io.read(&s,       sizeof(s));
+            io.read(&kind,    sizeof(kind));
+            io.read(&errs[e], sizeof(float));
+            if (r >= restored.size() || kind == SLOT_KIND_FREE || kind > SLOT_KIND_PINNED || !std::isfinite(errs[e])) {
+                throw std::runtime_error("residual buffer section is corrupted");
+            }
+            if (header[5] != n_slots() || s >= n_slots() || taken[s]) {
+                s = (uint32_t) (std::find(taken.begin(), taken.end(), false) - taken.begin());
+            }
+            dst[e]      = s; // n_slots(): no room, the row is read into the scratch row
+            kinds[e]    = (slot_kind) kind;
+            cells_of[e] = restored[r];
+            if (s < n_slots()) {
+                taken[s] = true;
+            }
+        }
+        for (size_t ib = 0; ib < k_buf.size(); ++ib) {
+            for (ggml_tensor * t : { k_buf[ib], v_buf[ib] }) {
+                for (uint32_t e = 0; e < n_entries; ++e) {
+                    io.read_tensor(t, dst[e] * t->nb[1], t->nb[1]);
+                }
+            }
+        }
+        const auto & cells = kv.v_cells[0];
+        for (uint32_t e = 0; e < n_entries; ++e) {
+            if (dst[e] < n_slots()) {
+                set_slot(dst[e], cells_of[e], cells.pos_get(cells_of[e]), kinds[e]);
+                slot_err[dst[e]] = errs[e];
+            }
+        }
+    } catch (const std::exception & e) {
+        if (seq_id == -1) {
+            kv.clear(true);
+        } else {
+            kv.seq_rm(seq_id, -1, -1);
+        }
+        throw std::runtime_error(std::string("kvcomp: ") + e.what());
+    }
+}
+
+llama_kvcomp_stats llama_kvcomp_buffer::get_stats() const {
+    llama_kvcomp_stats st = {};
+    st.n_slots         = (int32_t) n_slots();
+    st.n_pin_budget    = (int32_t) pin_budget;
+    st.n_merges        = n_merges;
+    st.n_released      = n_released;
+    st.n_overflow      = n_overflow;
+    st.evicted_err_max = evicted_err_max;
+    for (uint32_t s = 0; s < n_slots(); ++s) {
+        if (slot_kinds[s] == SLOT_KIND_FREE) {
+            continue;
+        }
+        ++st.n_used;
+        if (slot_kinds[s] == SLOT_KIND_PINNED) {
+            st.pin_err_min = st.n_pinned == 0 ? slot_err[s] : std::min(st.pin_err_min, slot_err[s]);
+            ++st.n_pinned;
+        }
+    }
+    return st;
+}
+
+int32_t llama_kvcomp_get_stats(llama_context * ctx, llama_kvcomp_stats * stats) {
+    auto * kv = ctx ? dynamic_cast<llama_kv_cache *>(llama_get_memory(ctx)) : nullptr;
+    if (!kv || !kv->kvcomp || !stats) {
+        return -1;
+    }
+    *stats = kv->kvcomp->get_stats();
+    return 0;
+}
+
+const char * llama_kvcomp_params_error(const llama_kvcomp_params * p) {
+    if (!p) {
+        return "no parameters";
+    }
+    if (p->window < 0) {
+        return "the window must be >= 0";
+    }
+    if (p->sinks < 0) {
+        return "the sink count must be >= 0";
+    }
+    if (p->merge_interval < 1) {
+        return "the merge interval must be >= 1";
+    }
+    if (!(p->merge_at > 0.0f && p->merge_at <= 1.0f)) {
+        return "merge-at must be a fraction in (0, 1]";
+    }
+    if (!(p->pin_threshold >= 0.0f && std::isfinite(p->pin_threshold))) {
+        return "the pin threshold must be a finite value >= 0";
+    }
+    if (!(p->pin_budget >= 0.0f && p->pin_budget <= 100.0f)) {
+        return "the pin budget must be a percentage in [0, 100]";
+    }
+    return nullptr;
+}
+
 llama_kvcomp_params llama_kvcomp_default_params(void) {
-    return { 0, 0 };
+    llama_kvcomp_params p;
+    p.window         = 0;
+    p.sinks          = 0;
+    p.merge_interval = 1;
+    p.merge_at       = 1.0f;
+    p.pin_threshold  = 0.0f;
+    p.pin_budget     = 1.0f;
+    return p;
 }
 
 int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max) {
@@ -205,7 +622,7 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
         LLAMA_LOG_ERROR("%s: the residual buffer needs flash attention (-fa on) and a unified KV cache (--kv-unified) for now\n", __func__);
         return -2;
     }
-    if (params.window == 0 && params.sinks == 0) {
+    if (params.window == 0 && params.sinks == 0 && params.pin_threshold == 0.0f) {
         kv.kvcomp.reset();
         return 0;
     }
@@ -219,8 +636,9 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
 }
 
 int32_t llama_kvcomp_configure(llama_context * ctx, const llama_kvcomp_params * params) {
-    if (!ctx || !params || params->window < 0 || params->sinks < 0) {
-        LLAMA_LOG_ERROR("%s: invalid parameters: window and sinks must be >= 0\n", __func__);
+    const char * err = llama_kvcomp_params_error(params);
+    if (!ctx || err) {
+        LLAMA_LOG_ERROR("%s: invalid parameters: %s\n", __func__, err ? err : "no context");
         return -1;
     }
     auto * kv = dynamic_cast<llama_kv_cache *>(llama_get_memory(ctx));

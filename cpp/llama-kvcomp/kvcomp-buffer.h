@@ -1,15 +1,17 @@
 #pragma once
 
-// The residual buffer: an F16 copy of the K/V rows of recent and sink tokens, attended
-// instead of their quantized rows. Every row is also written to the quantized cache, so a
-// slot can be released at any time without work ("merge" = release).
+// The residual buffer: an F16 copy of the K/V rows of recent, sink and outlier tokens,
+// attended instead of their quantized rows. Every row is also written to the quantized cache,
+// so a slot can be released at any time without work ("merge" = release).
 //
-// The cache reports n_kv_main + n_slots cells; attention sees [main cells ; slots] and the
-// mask shows each visible key once: from a slot when it is exact for the query, otherwise
-// from the main cache. Exactness depends on positions only, so a batched prompt and
-// token-by-token decoding see the same keys.
+// The cache reports n_kv_main + n_slots + n_tokens cells; attention sees
+// [main cells ; slots ; rows of the current ubatch] and the mask shows each visible key once:
+// exact (from a slot or from the ubatch) when the query may see it exactly, otherwise from the
+// main cache. Exactness depends on positions only, so a batched prompt and token-by-token
+// decoding see the same keys.
 
 #include "llama-kvcomp.h"
+#include "llama-kv-cache.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -18,8 +20,11 @@
 #include <functional>
 #include <vector>
 
-class llama_kv_cache;
+struct llama_cparams;
 struct llama_ubatch;
+class llama_io_read_i;
+class llama_io_write_i;
+class llm_graph_result;
 
 struct llama_kvcomp_buffer {
     llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max);
@@ -30,19 +35,25 @@ struct llama_kvcomp_buffer {
 
     uint32_t n_slots() const { return (uint32_t) slot_cell.size(); }
 
-    // After upstream placed the ubatch in `cells` (one stream): release slots no query can
-    // still see exactly, and give every token of the ubatch a slot.
-    void apply(const llama_kv_cache & kv, const std::vector<uint32_t> & cells, const llama_ubatch & ubatch);
+    llama_kvcomp_stats get_stats() const;
 
-    // Forgets every slot: the cells they shadow were replaced (state load). Those tokens are
-    // attended through their quantized rows from now on.
-    void reset();
+    // attention width beyond the main cells for a ubatch of n_tokens, and its upper bound
+    uint32_t n_extra(uint32_t n_tokens) const { return n_slots() + n_tokens; }
+    uint32_t n_extra_max() const { return n_slots() + n_ubatch; }
+
+    // main cells of a get_k/get_v of width n_kv in the graph being built (after its cpy)
+    uint32_t n_main(uint32_t n_kv, uint32_t kv_size, int32_t il, bool is_k) const;
+
+    // After upstream placed the ubatch in `cells` (one stream): decide pins, release slots no
+    // query will see exactly, and give a slot to every token of the ubatch that later
+    // queries see exactly.
+    void apply(const llama_kv_cache & kv, const std::vector<uint32_t> & cells, const llama_ubatch & ubatch);
 
     // Writes the ubatch's rows into the main cache (returned) and into the slots (kept for
     // the get() of the same layer in the same graph); `idxs` holds main rows then slot rows.
     ggml_tensor * cpy(ggml_context * ctx, ggml_tensor * cache, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_k) const;
 
-    // [main view ; slots], both as F32, along the cell dimension.
+    // [main view ; slots ; current ubatch], as F32, along the cell dimension.
     ggml_tensor * get(ggml_context * ctx, ggml_tensor * main_view, int32_t il, bool is_k) const;
 
     // Slot index of each ubatch token, in the second half of a k/v idxs input.
@@ -52,22 +63,65 @@ struct llama_kvcomp_buffer {
     void set_input_kq_mask(const llama_kv_cache & kv, ggml_tensor * dst, const llama_ubatch * ubatch,
                            const std::function<void(float *, int64_t)> & fill_main) const;
 
+    // Context shift: the slot rows of shifted cells get the RoPE of their main rows.
+    // build_input_shift once per shift graph, then build_shift per layer.
+    ggml_tensor * build_input_shift(const llama_kv_cache & kv, ggml_context * ctx, llm_graph_result * res);
+    void set_input_shift(const llama_kv_cache & kv);
+    ggml_tensor * build_shift(const llama_kv_cache & kv, ggml_context * ctx, const llama_cparams & cparams,
+                              ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors,
+                              float freq_base, float freq_scale, uint32_t il) const;
+
+    // The buffer's part of a state: the slots of the cells upstream wrote, after them.
+    void state_write(llama_io_write_i & io, const llama_kv_cache & kv, llama_seq_id seq_id) const;
+    // Reads that part; `sinfos` are the cells upstream restored. Throws with a reason (and
+    // removes what was restored) when the part is missing or damaged.
+    void state_read(llama_io_read_i & io, llama_kv_cache & kv, llama_seq_id seq_id,
+                    const llama_kv_cache::slot_info_vec_t & sinfos);
+
 private:
-    bool is_exact(llama_pos key, llama_pos query) const;
+    enum slot_kind : uint8_t {
+        SLOT_KIND_FREE,
+        SLOT_KIND_ROW,    // an exact row, released once no query sees it exactly
+        SLOT_KIND_STAGED, // written by the last ubatch, its error not measured yet
+        SLOT_KIND_PINNED, // an outlier, exact for every later query
+    };
+
+    bool is_exact(llama_pos key, llama_pos query, bool pinned) const;
+    void free_slot(uint32_t s);
+    void set_slot(uint32_t s, uint32_t cell, llama_pos pos, slot_kind kind);
+    float measure(const llama_kv_cache & kv, uint32_t s) const;
+    void pin_or_free(uint32_t s);
 
     llama_kvcomp_params params;
+    uint32_t n_ubatch;
+    uint32_t pin_budget; // cells
+    uint64_t n_applied = 0;
+    int64_t  n_merges = 0;
+    int64_t  n_released = 0;
+    int64_t  n_overflow = 0;
+    float    evicted_err_max = 0.0f;
 
     std::vector<int32_t>   slot_cell; // cell held by each slot, -1 when free
     std::vector<llama_pos> slot_pos;  // position the cell had when its row was written
+    std::vector<slot_kind> slot_kinds;
+    std::vector<float>     slot_err;  // measured relative error (staged and pinned slots)
     std::vector<int32_t>   cell_slot; // slot of each cell, -1 when none
+    std::vector<int32_t>   cell_ub;   // column of each cell in the current ubatch, -1 when none
+    std::vector<uint32_t>  ub_cells;  // cells of the current ubatch
 
-    std::vector<ggml_tensor *> k_buf; // per cache layer: [n_embd_k_gqa, n_slots] F16
+    std::vector<ggml_tensor *> k_buf; // per cache layer: [n_embd_k_gqa, n_slots + 1] F16
     std::vector<ggml_tensor *> v_buf;
     std::vector<int32_t>       layer_of_il; // model layer -> index in k_buf/v_buf
 
-    // the slot writes of the graph being built, consumed by get() of the same layer
+    // per layer, from the graph being built: the slot writes (read through by get(), which
+    // orders the write before the read) and the ubatch's own rows
     mutable std::vector<ggml_tensor *> k_written;
     mutable std::vector<ggml_tensor *> v_written;
+    mutable std::vector<ggml_tensor *> k_cur;
+    mutable std::vector<ggml_tensor *> v_cur;
+
+    // per slot row: the RoPE shift of its cell, for build_shift
+    ggml_tensor * shift_input = nullptr;
 
     ggml_context *          ctx = nullptr;
     ggml_backend_buffer_t   buf = nullptr;

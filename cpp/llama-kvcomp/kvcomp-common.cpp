@@ -7,11 +7,29 @@
 #include <stdexcept>
 #include <string>
 
-static int32_t kvcomp_parse_count(const char * flag, int value) {
-    if (value < 0) {
-        throw std::invalid_argument(std::string(flag) + " must be >= 0, got " + std::to_string(value));
+// Sets one knob and checks the whole set, so a bad value names its flag.
+template <typename T>
+static void kvcomp_set(common_params & params, const char * flag, T llama_kvcomp_params::*field, T value) {
+    llama_kvcomp_params p = params.kvcomp;
+    p.*field = value;
+    if (const char * err = llama_kvcomp_params_error(&p)) {
+        throw std::invalid_argument(std::string(flag) + ": " + err);
     }
-    return value;
+    params.kvcomp = p;
+}
+
+static float kvcomp_parse_float(const char * flag, const std::string & value) {
+    size_t end = 0;
+    float v = 0.0f;
+    try {
+        v = std::stof(value, &end);
+    } catch (const std::exception &) {
+        end = 0;
+    }
+    if (end == 0 || end != value.size()) {
+        throw std::invalid_argument(std::string(flag) + ": not a number: '" + value + "'");
+    }
+    return v;
 }
 
 std::vector<common_arg> common_kvcomp_args() {
@@ -21,25 +39,58 @@ std::vector<common_arg> common_kvcomp_args() {
         "kvcomp residual buffer: the newest W positions stay exact (F16) for every query (default: 0, off; "
         "needs -fa on and a unified KV cache)",
         [](common_params & params, int value) {
-            params.kvcomp.window = kvcomp_parse_count("--kv-comp-window", value);
+            kvcomp_set(params, "--kv-comp-window", &llama_kvcomp_params::window, value);
         }
     ).set_env("LLAMA_ARG_KV_COMP_WINDOW"));
     args.push_back(common_arg(
         {"--kv-comp-sinks"}, "S",
         "kvcomp residual buffer: the first S positions of each sequence stay exact (default: 0)",
         [](common_params & params, int value) {
-            params.kvcomp.sinks = kvcomp_parse_count("--kv-comp-sinks", value);
+            kvcomp_set(params, "--kv-comp-sinks", &llama_kvcomp_params::sinks, value);
         }
     ).set_env("LLAMA_ARG_KV_COMP_SINKS"));
+    args.push_back(common_arg(
+        {"--kv-comp-merge-interval"}, "N",
+        "kvcomp residual buffer: release the slots of tokens that left the window every N ubatches (default: 1)",
+        [](common_params & params, int value) {
+            kvcomp_set(params, "--kv-comp-merge-interval", &llama_kvcomp_params::merge_interval, value);
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_MERGE_INTERVAL"));
+    args.push_back(common_arg(
+        {"--kv-comp-merge-at"}, "F",
+        "kvcomp residual buffer: ... or as soon as this fraction of the slots is in use (default: 1.0)",
+        [](common_params & params, const std::string & value) {
+            kvcomp_set(params, "--kv-comp-merge-at", &llama_kvcomp_params::merge_at,
+                kvcomp_parse_float("--kv-comp-merge-at", value));
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_MERGE_AT"));
+    args.push_back(common_arg(
+        {"--kv-comp-pin-threshold"}, "E",
+        "kvcomp residual buffer: keep tokens whose relative quantization error exceeds E exact (default: 0, off)",
+        [](common_params & params, const std::string & value) {
+            kvcomp_set(params, "--kv-comp-pin-threshold", &llama_kvcomp_params::pin_threshold,
+                kvcomp_parse_float("--kv-comp-pin-threshold", value));
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_PIN_THRESHOLD"));
+    args.push_back(common_arg(
+        {"--kv-comp-pin-budget"}, "P",
+        "kvcomp residual buffer: at most P per cent of the cache's cells pinned as outliers (default: 1)",
+        [](common_params & params, const std::string & value) {
+            kvcomp_set(params, "--kv-comp-pin-budget", &llama_kvcomp_params::pin_budget,
+                kvcomp_parse_float("--kv-comp-pin-budget", value));
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_PIN_BUDGET"));
     return args;
 }
 
 bool common_kvcomp_apply(llama_context * ctx, const common_params & params) {
-    if (params.kvcomp.window == 0 && params.kvcomp.sinks == 0) {
+    const llama_kvcomp_params & p = params.kvcomp;
+    if (p.window == 0 && p.sinks == 0 && p.pin_threshold == 0.0f) {
         return true;
     }
-    LOG_INF("kvcomp: window = %d, sinks = %d\n", params.kvcomp.window, params.kvcomp.sinks);
-    if (llama_kvcomp_configure(ctx, &params.kvcomp) != 0) {
+    LOG_INF("kvcomp: window = %d, sinks = %d, merge interval = %d, merge at = %.2f, pin threshold = %.3f, pin budget = %.2f%%\n",
+        p.window, p.sinks, p.merge_interval, p.merge_at, p.pin_threshold, p.pin_budget);
+    if (llama_kvcomp_configure(ctx, &p) != 0) {
         LOG_ERR("kvcomp: the residual buffer could not be attached (see the reason above)\n");
         return false;
     }

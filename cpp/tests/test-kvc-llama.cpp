@@ -10,15 +10,16 @@
 // - seq_cp and seq_rm + re-decode give the logits of the uninterrupted run;
 // - a context shift (seq_rm of the first tokens + seq_add) stays as close to f16's shift as
 //   the type is to f16 without one, up to the extra rounding of the shifted keys.
-// Then the residual buffer on kvc4: window 0 is the plain cache, a window covering the
-// context is f16, and the window sliding through a prompt gives the same logits however the
-// prompt is split.
+// Then the residual buffer on kvc4 (the issue-3 list): window 0 is the plain cache, a window
+// covering the context is f16, batched = sequential with merges inside the prompt, sequences
+// isolated, seq_cp/seq_rm/context shift/state round trips, refusals, and outlier pins.
 
 #include "kvc-test-util.h"
 #include "llama.h"
 #include "llama-kvcomp.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 
@@ -86,6 +87,27 @@ double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
         den = std::max(den, (double) std::fabs(b[i]));
     }
     return num / den;
+}
+
+// KL(softmax(ref) || softmax(a)) of one token's logits.
+double kl_div(const std::vector<float> & ref, const std::vector<float> & a) {
+    if (ref.empty() || ref.size() != a.size()) {
+        return INFINITY;
+    }
+    const double mr = *std::max_element(ref.begin(), ref.end());
+    const double ma = *std::max_element(a.begin(), a.end());
+    double zr = 0.0, za = 0.0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        zr += std::exp(ref[i] - mr);
+        za += std::exp(a[i] - ma);
+    }
+    double k = 0.0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        const double lr = ref[i] - mr - std::log(zr);
+        const double la = a[i] - ma - std::log(za);
+        k += std::exp(lr) * (lr - la);
+    }
+    return k;
 }
 
 struct type_result {
@@ -191,19 +213,60 @@ type_result test_type(report & rep, llama_model * model, const std::vector<llama
     return res;
 }
 
-llama_context * make_buffered_ctx(llama_model * model, ggml_type type, int32_t window, int32_t sinks) {
-    llama_context * ctx = make_ctx(model, type);
+llama_kvcomp_params buffer_params(int32_t window, int32_t sinks, int32_t merge_interval = 1) {
     llama_kvcomp_params kp = llama_kvcomp_default_params();
-    kp.window = window;
-    kp.sinks  = sinks;
-    if (llama_kvcomp_configure(ctx, &kp) != 0) {
+    kp.window         = window;
+    kp.sinks          = sinks;
+    kp.merge_interval = merge_interval;
+    return kp;
+}
+
+llama_context * make_buffered_ctx(llama_model * model, const llama_kvcomp_params & kp, uint32_t n_seq_max = 1) {
+    llama_context * ctx = make_ctx(model, GGML_TYPE_KVC4, n_seq_max);
+    if (ctx && llama_kvcomp_configure(ctx, &kp) != 0) {
         llama_free(ctx);
         return nullptr;
     }
     return ctx;
 }
 
+llama_kvcomp_stats stats_of(llama_context * ctx) {
+    llama_kvcomp_stats st = {};
+    llama_kvcomp_get_stats(ctx, &st);
+    return st;
+}
+
+// One decode of (token, pos, seq) triples, every one an output; logits per triple.
+std::vector<std::vector<float>> decode_multi(llama_context * ctx, const std::vector<std::array<int, 3>> & items) {
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    llama_batch batch = llama_batch_init((int32_t) items.size(), 0, 1);
+    batch.n_tokens = (int32_t) items.size();
+    for (size_t j = 0; j < items.size(); ++j) {
+        batch.token[j]     = items[j][0];
+        batch.pos[j]       = items[j][1];
+        batch.n_seq_id[j]  = 1;
+        batch.seq_id[j][0] = items[j][2];
+        batch.logits[j]    = true;
+    }
+    std::vector<std::vector<float>> out;
+    if (llama_decode(ctx, batch) == 0) {
+        for (size_t j = 0; j < items.size(); ++j) {
+            const float * l = llama_get_logits_ith(ctx, (int32_t) j);
+            out.emplace_back(l, l + n_vocab);
+        }
+    }
+    llama_batch_free(batch);
+    return out;
+}
+
 // The residual buffer (docs/design-residual-buffer.md) on a kvc4 cache.
+//
+// Upstream's CPU flash attention has three kernels for F32 keys: tiled (>= 64 queries),
+// one-chunk, and split-KV (one query over >= 512 keys). They round differently, and this
+// prompt amplifies that: KL up to ~2e-3 between kernels when most keys carry kvc4's error,
+// ~1e-5 when all keys are exact. Splits that take the same kernel (ubatches of 16 and of 8)
+// must therefore give bit-identical logits; the issue's splits (one ubatch, 64, 1 token) are
+// held to a quarter of the KL that quantization itself causes (plain kvc4 vs f16).
 void test_residual_buffer(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
     const int n = 300;
     std::vector<float> f16, plain;
@@ -215,98 +278,256 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
         ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
         plain = decode(c.ctx, toks, 0, n, n);
     }
-    const double d_plain = rel_diff(plain, f16);
+    const double d_plain  = rel_diff(plain, f16);
+    const double kl_plain = kl_div(f16, plain);
+    const double kl_tol   = 0.25 * kl_plain;
 
     {
         ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
-        llama_kvcomp_params kp = llama_kvcomp_default_params();
-        kp.window = -1;
+        llama_kvcomp_params kp = buffer_params(-1, 0);
         rep.check(llama_kvcomp_configure(c.ctx, &kp) == -1, "buffer: a negative window is refused");
+        kp = buffer_params(32, 0, 0);
+        rep.check(llama_kvcomp_configure(c.ctx, &kp) == -1, "buffer: merge interval 0 is refused");
+        kp = buffer_params(32, 0);
+        kp.pin_budget = 101.0f;
+        rep.check(llama_kvcomp_configure(c.ctx, &kp) == -1, "buffer: a pin budget over 100%% is refused");
+        kp = buffer_params(32, 0);
+        kp.merge_at = 0.0f;
+        rep.check(llama_kvcomp_configure(c.ctx, &kp) == -1, "buffer: merge-at 0 is refused");
+        llama_kvcomp_stats st;
+        rep.check(llama_kvcomp_get_stats(c.ctx, &st) == -1, "buffer: no stats without a buffer");
     }
     {
         llama_context_params cp = llama_context_default_params();
         cp.n_ctx = 512;
         cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
         ctx_ptr c{ llama_init_from_model(model, cp) };
-        llama_kvcomp_params kp = llama_kvcomp_default_params();
-        kp.window = 32;
+        llama_kvcomp_params kp = buffer_params(32, 0);
         rep.check(c.ctx && llama_kvcomp_configure(c.ctx, &kp) == -2, "buffer: refused without flash attention");
     }
     {
-        ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 0, 0) };
-        rep.check(c.ctx && decode(c.ctx, toks, 0, n, n) == plain, "buffer: window 0 without sinks is the plain kvc4 cache, bit-exact");
+        ctx_ptr c{ make_buffered_ctx(model, buffer_params(0, 0)) };
+        rep.check(c.ctx && decode(c.ctx, toks, 0, n, n) == plain, "buffer: window 0 without sinks or pins is the plain kvc4 cache, bit-exact");
     }
     {
-        // every key exact: f16 values through an f32 attention path; upstream's own f16 path
-        // differences on this metric are ~2e-2
-        ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 512, 0) };
+        ctx_ptr c{ make_buffered_ctx(model, buffer_params(512, 0)) };
         const double d = rel_diff(decode(c.ctx, toks, 0, n, n), f16);
         rep.check(d <= 3e-2 && d < 0.5 * d_plain, "buffer: window >= context is f16: %.2e <= 3e-2 (plain kvc4 %.2e)", d, d_plain);
     }
-    for (int w : { 32, 128 }) {
-        std::vector<float> whole, by16, by8, by1;
+
+    // batched = sequential, with merges (every 4 ubatches) inside the prompt
+    for (const auto & ws : { std::array<int, 2>{ 0, 4 }, std::array<int, 2>{ 32, 0 }, std::array<int, 2>{ 128, 4 } }) {
+        const llama_kvcomp_params kp = buffer_params(ws[0], ws[1], 4);
+        std::vector<float> whole, by64, by16, by8, by1;
+        llama_kvcomp_stats st1 = {}, st8 = {};
         {
-            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, w, 0) };
+            ctx_ptr c{ make_buffered_ctx(model, kp) };
             whole = decode(c.ctx, toks, 0, n, n);
         }
         {
-            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, w, 0) };
+            ctx_ptr c{ make_buffered_ctx(model, kp) };
+            by64 = decode(c.ctx, toks, 0, n, 64);
+        }
+        {
+            ctx_ptr c{ make_buffered_ctx(model, kp) };
             by16 = decode(c.ctx, toks, 0, n, 16);
         }
         {
-            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, w, 0) };
+            ctx_ptr c{ make_buffered_ctx(model, kp) };
             by8 = decode(c.ctx, toks, 0, n, 8);
+            st8 = stats_of(c.ctx);
         }
         {
-            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, w, 0) };
+            ctx_ptr c{ make_buffered_ctx(model, kp) };
             by1 = decode(c.ctx, toks, 0, n, 1);
+            st1 = stats_of(c.ctx);
         }
-        // 16 and 8 take the same attention kernel, so the same keys give the same bits;
-        // one ubatch (tiled kernel) and single tokens (split-KV kernel) sum differently
-        rep.check(!by8.empty() && by16 == by8, "buffer W=%d: ubatches of 16 and of 8 are bit-identical (window slides inside the prompt)", w);
-        rep.check(rel_diff(whole, by16) <= 5e-2 && rel_diff(by1, by16) <= 5e-2,
-            "buffer W=%d: one ubatch %.2e, token by token %.2e vs ubatches of 16, <= 5e-2 (f16's own kernel spread ~2e-2)",
-            w, rel_diff(whole, by16), rel_diff(by1, by16));
-        rep.check(rel_diff(whole, f16) < d_plain, "buffer W=%d: closer to f16 than plain kvc4 (%.2e < %.2e)", w, rel_diff(whole, f16), d_plain);
+        if (ws[0] == 0) {
+            // only sinks: every split puts the same keys in the same order
+            rep.check(!by8.empty() && by16 == by8, "buffer W=%d S=%d: ubatches of 16 and of 8 are bit-identical", ws[0], ws[1]);
+        }
+        rep.check(!whole.empty() && kl_div(whole, by64) <= kl_tol && kl_div(whole, by16) <= kl_tol && kl_div(whole, by8) <= kl_tol &&
+            kl_div(whole, by1) <= kl_tol,
+            "buffer W=%d S=%d: KL of ubatches of 64 %.2e, 16 %.2e, 8 %.2e, token by token %.2e vs one ubatch, <= %.2e",
+            ws[0], ws[1], kl_div(whole, by64), kl_div(whole, by16), kl_div(whole, by8), kl_div(whole, by1), kl_tol);
+        rep.check(st1.n_merges >= 70 && (ws[0] == 0 || st1.n_released > 0) && st8.n_overflow == 0 && st1.n_overflow == 0,
+            "buffer W=%d S=%d: %lld merges token by token, %lld slots released, no row without a slot",
+            ws[0], ws[1], (long long) st1.n_merges, (long long) st1.n_released);
+        rep.check(kl_div(f16, whole) < kl_plain, "buffer W=%d S=%d: KL to f16 %.2e < plain kvc4's %.2e",
+            ws[0], ws[1], kl_div(f16, whole), kl_plain);
     }
+
+    // Sequences never see each other's rows: sequence 0's logits do not change when
+    // sequence 1, decoded in the same batches and cells, holds other tokens; merges happen
+    // during the generation.
     {
-        // a state loaded into a context whose buffer shadows other tokens at the same
-        // positions must not be attended through those stale exact rows
-        std::vector<uint8_t> state;
-        std::vector<llama_token> other(toks.rbegin(), toks.rbegin() + 64);
+        const llama_kvcomp_params kp = buffer_params(16, 2, 2);
+        const int np = 100, ng = 24;
+        auto run = [&](int seq1_from, llama_kvcomp_stats * st) {
+            ctx_ptr c{ make_buffered_ctx(model, kp, 2) };
+            std::vector<std::array<int, 3>> prompt;
+            for (int i = 0; i < np; ++i) {
+                prompt.push_back({ toks[i], i, 0 });
+                prompt.push_back({ toks[seq1_from + i], i, 1 });
+            }
+            std::vector<std::vector<float>> last = decode_multi(c.ctx, prompt);
+            const int64_t merges_before = stats_of(c.ctx).n_merges;
+            for (int g = 0; g < ng && !last.empty(); ++g) {
+                last = decode_multi(c.ctx, { { toks[np + g], np + g, 0 }, { toks[seq1_from + np + g], np + g, 1 } });
+            }
+            *st = stats_of(c.ctx);
+            st->n_merges -= merges_before;
+            return last;
+        };
+        llama_kvcomp_stats st_a, st_b;
+        const auto a = run(n - np - ng, &st_a);
+        const auto b = run(np + ng, &st_b);
+        const bool ok = a.size() == 2 && b.size() == 2;
+        rep.check(ok && a[0] == b[0] && kl_div(a[1], b[1]) > 1e-3,
+            "buffer: sequence 0 is bit-identical whatever sequence 1 holds (sequence 1 itself moves by KL %.2e)",
+            ok ? kl_div(a[1], b[1]) : 0.0);
+        rep.check(st_a.n_merges >= ng / 2 && st_a.n_overflow == 0, "buffer: %lld merges during the two-sequence generation, no overflow",
+            (long long) st_a.n_merges);
+    }
+
+    const llama_kvcomp_params kp = buffer_params(32, 4);
+
+    // seq_cp: the copy shares the cells and their slots
+    {
+        ctx_ptr c{ make_buffered_ctx(model, kp, 2) };
+        decode(c.ctx, toks, 0, 64, 64, 0);
+        llama_memory_seq_cp(llama_get_memory(c.ctx), 0, 1, -1, -1);
+        const auto l1 = decode(c.ctx, toks, 64, 65, 1, 1);
+        const auto l0 = decode(c.ctx, toks, 64, 65, 1, 0);
+        rep.check(!l0.empty() && rel_diff(l1, l0) <= 1e-5, "buffer: seq_cp copy continues like its source (%.2e)", rel_diff(l1, l0));
+    }
+    // seq_rm + re-decode
+    {
+        ctx_ptr c{ make_buffered_ctx(model, kp) };
+        const auto full = decode(c.ctx, toks, 0, 64, 16);
+        const bool rm = llama_memory_seq_rm(llama_get_memory(c.ctx), 0, 48, -1);
+        const auto again = decode(c.ctx, toks, 48, 64, 16);
+        rep.check(rm && !again.empty() && again == full, "buffer: seq_rm + re-decode is bit-identical to the uninterrupted run");
+    }
+    // context shift: with every key exact, the shifted slot rows must rotate like f16's keys
+    {
+        auto shifted = [&](llama_context * ctx) {
+            decode(ctx, toks, 0, 64, 64);
+            llama_memory_t mem = llama_get_memory(ctx);
+            llama_memory_seq_rm(mem, 0, 0, 16);
+            llama_memory_seq_add(mem, 0, 16, -1, -16);
+            std::vector<llama_token> next(toks.begin() + 16, toks.begin() + 65);
+            return decode(ctx, next, 48, 49, 1);
+        };
+        std::vector<float> ref, plain_shift, buf_shift;
+        llama_kvcomp_stats st = {};
         {
-            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 32, 4) };
+            ctx_ptr c{ make_ctx(model, GGML_TYPE_F16) };
+            ref = shifted(c.ctx);
+        }
+        {
+            ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
+            plain_shift = shifted(c.ctx);
+        }
+        {
+            ctx_ptr c{ make_buffered_ctx(model, buffer_params(512, 0)) };
+            buf_shift = shifted(c.ctx);
+            st = stats_of(c.ctx);
+        }
+        rep.check(!buf_shift.empty() && rel_diff(buf_shift, ref) <= 3e-2 && rel_diff(buf_shift, ref) < 0.5 * rel_diff(plain_shift, ref),
+            "buffer: after a context shift, window >= context is f16's shift: %.2e <= 3e-2 (plain kvc4 %.2e)",
+            rel_diff(buf_shift, ref), rel_diff(plain_shift, ref));
+        rep.check(st.n_used == 49, "buffer: the 48 shifted rows kept their slots (%d slots used)", st.n_used);
+    }
+    // state save -> load -> continue, whole context and one sequence
+    {
+        std::vector<uint8_t> state, seq_state, plain_state;
+        std::vector<float> cont_a, cont_b, cont_c;
+        llama_kvcomp_stats st_a = {}, st_b = {};
+        std::vector<float> cont_seq;
+        {
+            ctx_ptr c{ make_buffered_ctx(model, kp) };
             decode(c.ctx, toks, 0, 64, 64);
             state.resize(llama_state_get_size(c.ctx));
             state.resize(llama_state_get_data(c.ctx, state.data(), state.size()));
+            st_a = stats_of(c.ctx);
+            cont_a = decode(c.ctx, toks, 64, 72, 1);
         }
-        std::vector<float> used, fresh;
         {
-            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 32, 4) };
+            ctx_ptr c{ make_buffered_ctx(model, kp, 2) };
+            decode(c.ctx, toks, 0, 64, 64);
+            seq_state.resize(llama_state_seq_get_size(c.ctx, 0));
+            seq_state.resize(llama_state_seq_get_data(c.ctx, seq_state.data(), seq_state.size(), 0));
+            cont_seq = decode(c.ctx, toks, 64, 72, 1);
+        }
+        {
+            ctx_ptr c{ make_buffered_ctx(model, kp) };
+            const size_t read = llama_state_set_data(c.ctx, state.data(), state.size());
+            st_b = stats_of(c.ctx);
+            cont_b = decode(c.ctx, toks, 64, 72, 1);
+            rep.check(read == state.size() && st_b.n_used == st_a.n_used && st_a.n_used > 0,
+                "buffer: state of %zu bytes loads with its %d exact rows", state.size(), st_b.n_used);
+        }
+        rep.check(!cont_a.empty() && cont_a == cont_b, "buffer: state save -> load -> continue is bit-exact");
+        {
+            ctx_ptr c{ make_buffered_ctx(model, kp, 2) };
+            const size_t read = llama_state_seq_set_data(c.ctx, seq_state.data(), seq_state.size(), 1);
+            cont_c = decode(c.ctx, toks, 64, 72, 1, 1);
+            rep.check(read == seq_state.size() && stats_of(c.ctx).n_used > 0, "buffer: sequence state loads into another sequence");
+        }
+        rep.check(!cont_c.empty() && cont_c == cont_seq, "buffer: sequence state save -> load into another sequence -> continue is bit-exact");
+        {
+            ctx_ptr c{ make_buffered_ctx(model, kp) };
+            const size_t read = llama_state_set_data(c.ctx, state.data(), state.size() - 5);
+            const auto after = decode(c.ctx, toks, 0, 8, 8);
+            rep.check(read == 0 && !after.empty(), "buffer: a state cut inside the buffer section is refused, the context stays usable");
+        }
+        {
+            ctx_ptr p{ make_ctx(model, GGML_TYPE_KVC4) };
+            decode(p.ctx, toks, 0, 64, 64);
+            plain_state.resize(llama_state_get_size(p.ctx));
+            plain_state.resize(llama_state_get_data(p.ctx, plain_state.data(), plain_state.size()));
+            ctx_ptr c{ make_buffered_ctx(model, kp) };
+            const size_t read = llama_state_set_data(c.ctx, plain_state.data(), plain_state.size());
+            const auto after = decode(c.ctx, toks, 0, 8, 8);
+            rep.check(read == 0 && !after.empty(), "buffer: a state without a buffer section is refused by a buffered context, which stays usable");
+        }
+        {
+            // a state loaded into a context whose buffer shadows other tokens at the same
+            // positions must not be attended through those stale exact rows
+            std::vector<llama_token> other(toks.rbegin(), toks.rbegin() + 64);
+            ctx_ptr c{ make_buffered_ctx(model, kp) };
             decode(c.ctx, other, 0, 64, 64);
             llama_state_set_data(c.ctx, state.data(), state.size());
-            used = decode(c.ctx, toks, 64, 65, 1);
+            const auto used = decode(c.ctx, toks, 64, 72, 1);
+            rep.check(!used.empty() && used == cont_a, "buffer: a state loaded over other tokens continues like a fresh load");
         }
-        {
-            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 32, 4) };
-            llama_state_set_data(c.ctx, state.data(), state.size());
-            fresh = decode(c.ctx, toks, 64, 65, 1);
-        }
-        rep.check(!used.empty() && used == fresh, "buffer: a state loaded over other tokens continues like a fresh load");
+    }
+
+    // outlier pins: a threshold every token exceeds and the whole cache as budget make every
+    // key exact once its ubatch is done, so token-by-token decoding is f16
+    {
+        llama_kvcomp_params pk = buffer_params(0, 0);
+        pk.pin_threshold = 1e-4f;
+        pk.pin_budget    = 100.0f;
+        ctx_ptr c{ make_buffered_ctx(model, pk) };
+        const double d = rel_diff(decode(c.ctx, toks, 0, n, 1), f16);
+        const llama_kvcomp_stats st = stats_of(c.ctx);
+        rep.check(d <= 3e-2 && d < 0.5 * d_plain, "buffer pins: every token pinned is f16: %.2e <= 3e-2 (plain kvc4 %.2e)", d, d_plain);
+        rep.check(st.n_pinned == n - 1, "buffer pins: %d of %d tokens pinned", st.n_pinned, n - 1);
     }
     {
-        // sinks stay exact after the window has moved past them, in every split
-        std::vector<float> by16, by8;
-        {
-            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 16, 4) };
-            by16 = decode(c.ctx, toks, 0, n, 16);
-        }
-        {
-            ctx_ptr c{ make_buffered_ctx(model, GGML_TYPE_KVC4, 16, 4) };
-            by8 = decode(c.ctx, toks, 0, n, 8);
-        }
-        rep.check(!by8.empty() && by16 == by8, "buffer W=16 S=4: ubatches of 16 and of 8 are bit-identical");
-        rep.check(by16 != plain, "buffer W=16 S=4: differs from the plain cache");
+        llama_kvcomp_params pk = buffer_params(8, 0);
+        pk.pin_threshold = 1e-4f;
+        pk.pin_budget    = 5.0f;
+        ctx_ptr c{ make_buffered_ctx(model, pk) };
+        decode(c.ctx, toks, 0, n, 16);
+        const llama_kvcomp_stats st = stats_of(c.ctx);
+        rep.check(st.n_pinned == st.n_pin_budget && st.n_pin_budget == 26, "buffer pins: the budget (%d cells) caps the pins (%d)",
+            st.n_pin_budget, st.n_pinned);
+        rep.check(st.pin_err_min >= st.evicted_err_max && st.evicted_err_max > 0.0f,
+            "buffer pins: the least harmful merge first (smallest pinned error %.4f >= largest released %.4f)",
+            st.pin_err_min, st.evicted_err_max);
     }
 }
 
