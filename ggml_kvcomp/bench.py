@@ -26,7 +26,7 @@ def run_bench(cfg: KvConfig, model: Path, depths: Sequence[int], n_gen: int, thr
     args = [
         str(binary("llama-bench")), "-m", str(model), "-fa", "1", "-p", "0", "-n", str(n_gen),
         "-d", ",".join(str(d) for d in depths), "-t", str(threads), "-r", str(reps),
-        "-ctk", cfg.type_k, "-ctv", cfg.type_v, "-o", "json",
+        *cfg.tool_args(), "-o", "json",
     ]
     proc = subprocess.run(args, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import bench, corpus, models, perplexity, report
+from . import bench, corpus, models, perplexity, report, steps
 from .kvtypes import DEFAULT_CONFIGS, KvConfig
 
 
@@ -79,11 +79,25 @@ def cmd_kld(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     model = models.fetch_model(args.model)
     results = []
-    for cfg in _configs(args.configs):
+    configs = _configs(args.configs)
+    for cfg in configs:
         print(f"kvcomp bench: {cfg.label} ...", file=sys.stderr, flush=True)
         results.extend(bench.run_bench(cfg, model, args.depths, args.n_gen, args.threads, args.reps))
     heading = f"Decode speed, {args.model}, llama-bench -fa 1 -n {args.n_gen}, {args.threads} threads"
-    _emit(args, argv, bench.bench_table(results), [asdict(r) for r in results], f"bench-{args.model}", heading, "")
+    section = f"bench-{args.model}" + ("-buffer" if any(c.buffered for c in configs) else "")
+    _emit(args, argv, bench.bench_table(results), [asdict(r) for r in results], section, heading, "")
+    return 0
+
+
+def cmd_steps(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    model = models.fetch_model(args.model)
+    results = []
+    for cfg in _configs(args.configs):
+        print(f"kvcomp steps: {cfg.label} ...", file=sys.stderr, flush=True)
+        results.append(steps.run_steps(cfg, model, args.depth, args.n_gen, args.threads))
+    heading = (f"Per-step decode latency, {args.model}, depth ~{args.depth}, {args.n_gen} steps, "
+               f"{args.threads} threads")
+    _emit(args, argv, steps.steps_table(results), [asdict(r) for r in results], f"steps-{args.model}", heading, "")
     return 0
 
 
@@ -93,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS))
-        sp.add_argument("--configs", help="comma-separated K/V types, 'k/v' for a mixed pair, ':w32' / ':s4' "
-                        "for a residual-buffer window / sinks "
+        sp.add_argument("--configs", help="comma-separated K/V types, 'k/v' for a mixed pair, residual-buffer "
+                        "knobs as ':w32' window, ':s4' sinks, ':n8' merge interval, ':p0.1' pin threshold, "
+                        "':b2' pin budget (%%) "
                         "(default: f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,kvc2,kvc8/kvc4)")
         sp.add_argument("--threads", type=_positive, default=2)
         sp.add_argument("--json", help="also write the results as JSON to this file")
@@ -112,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--n-gen", type=_positive, default=32)
     bn.add_argument("--reps", type=_positive, default=2)
     bn.set_defaults(func=cmd_bench)
+
+    st = sub.add_parser("steps", help="per-step decode latency, steps with and without a residual-buffer merge")
+    common(st)
+    st.add_argument("--depth", type=_positive, default=4096)
+    st.add_argument("--n-gen", type=_positive, default=64)
+    st.set_defaults(func=cmd_steps)
     return p
 
 

@@ -11,8 +11,6 @@ from pathlib import Path
 from .kvtypes import BITS_PER_ELEMENT, KvConfig
 from .paths import binary, cache_dir
 
-BUFFERED_UBATCH = 32
-
 
 @dataclass(frozen=True)
 class RunSettings:
@@ -109,9 +107,10 @@ def parse_kv_bpe(log: str) -> tuple[float, float]:
 
 
 def parse_buffer_bpe(log: str, ctx: int) -> float:
-    """Bits per cached element that the residual buffer adds: F16 slots spread over ctx cells."""
-    m = re.search(r"kvcomp: residual buffer: .*?(\d+) slots", log)
-    return 16.0 * int(m.group(1)) / ctx if m else 0.0
+    """Bits per cached element that the residual buffer adds: F16 slots spread over the cells
+    of all streams (ctx in all)."""
+    m = re.search(r"kvcomp: residual buffer: .*?(\d+) streams of (\d+) slots", log)
+    return 16.0 * int(m.group(1)) * int(m.group(2)) / ctx if m else 0.0
 
 
 def parse_kld(label: str, cfg: KvConfig, log: str, ctx: int) -> KldResult:
@@ -138,8 +137,6 @@ def parse_kld(label: str, cfg: KvConfig, log: str, ctx: int) -> KldResult:
 def run_kld(cfg: KvConfig, s: RunSettings) -> KldResult:
     base = base_logits(s)
     fa = "on" if s.flash_attn else "off"
-    # the buffer holds one ubatch besides the window, so buffered runs use small ubatches
-    ub = ["-ub", str(BUFFERED_UBATCH)] if cfg.buffered else []
-    log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", fa, *cfg.tool_args(), *ub,
+    log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", fa, *cfg.tool_args(),
                 "--kl-divergence-base", str(base), "--kl-divergence"])
     return parse_kld(cfg.label, cfg, log, s.ctx)

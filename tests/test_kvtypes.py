@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from ggml_kvcomp import perplexity
 from ggml_kvcomp.kvtypes import ALL_TYPES, BITS_PER_ELEMENT, KvConfig
 
 
@@ -53,3 +54,14 @@ def test_parse_rejects_bad_knobs(spec: str) -> None:
 
 def test_every_type_has_a_size() -> None:
     assert set(BITS_PER_ELEMENT) == set(ALL_TYPES)
+
+
+@pytest.mark.parametrize(("line", "ctx", "bpe"), [
+    ("kvcomp: residual buffer: window = 32, sinks = 4, merge interval = 1, pin threshold = 0.000, "
+     "pin budget = 0 cells, 1 streams of 68 slots, 2.49 MiB", 512, 16.0 * 68 / 512),
+    ("kvcomp: residual buffer: window = 8, sinks = 2, merge interval = 1, pin threshold = 0.000, "
+     "pin budget = 0 cells, 4 streams of 18 slots, 2.49 MiB", 2048, 16.0 * 72 / 2048),
+    ("no buffer here", 512, 0.0),
+])
+def test_buffer_bpe_counts_every_stream(line: str, ctx: int, bpe: float) -> None:
+    assert perplexity.parse_buffer_bpe(f"llama_context: ...\n{line}\n", ctx) == pytest.approx(bpe)

@@ -18,25 +18,28 @@ static constexpr uint32_t KVCOMP_STATE_VERSION = 1;
 
 llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max)
     : params(params), n_ubatch(n_ubatch) {
-    pin_budget = params.pin_threshold > 0.0f ? (uint32_t) std::ceil(params.pin_budget / 100.0f * kv.get_size()) : 0;
+    const uint32_t kv_size = kv.get_size();
+    const uint32_t n_seq   = kv.n_stream > 1 ? 1 : n_seq_max; // sequences per stream
+    pin_budget = params.pin_threshold > 0.0f ? (uint32_t) std::ceil(params.pin_budget / 100.0f * kv_size) : 0;
 
     // While a ubatch runs, its queries read the window before it from slots (W - 1 per
     // sequence) and its own rows from the graph, and the rows later queries need are written
     // to slots (up to W per sequence, or every row when outliers are measured). Sinks stay,
     // tokens that left the window wait up to N - 1 ubatches for the next merge, and pins
     // have their budget.
-    const uint32_t n_window = n_seq_max * (uint32_t) (params.window + params.sinks + params.merge_interval - 1);
-    const uint32_t n_new    = params.pin_threshold > 0.0f ? n_ubatch : std::min(n_seq_max * (uint32_t) params.window, n_ubatch);
-    const uint32_t n        = n_window + n_new + pin_budget;
-    slot_cell.assign(n, -1);
-    slot_pos.assign(n, -1);
-    slot_kinds.assign(n, SLOT_KIND_FREE);
-    slot_err.assign(n, 0.0f);
-    cell_slot.assign(kv.get_size(), -1);
-    cell_ub.assign(kv.get_size(), -1);
+    const uint32_t n_window = n_seq * (uint32_t) (params.window + params.sinks + params.merge_interval - 1);
+    const uint32_t n_new    = params.pin_threshold > 0.0f ? n_ubatch : std::min(n_seq * (uint32_t) params.window, n_ubatch);
+    n_slots_stream = n_window + n_new + pin_budget;
 
-    // one more row, never attended: where a token without a slot writes its row
-    const uint32_t n_rows = n + 1;
+    maps.resize(kv.n_stream);
+    for (auto & m : maps) {
+        m.slot_cell.assign(n_slots_stream, -1);
+        m.slot_pos.assign(n_slots_stream, -1);
+        m.slot_kinds.assign(n_slots_stream, SLOT_KIND_FREE);
+        m.slot_err.assign(n_slots_stream, 0.0f);
+        m.cell_slot.assign(kv_size, -1);
+        m.cell_ub.assign(kv_size, -1);
+    }
 
     ggml_init_params ip = { 2 * kv.layers.size() * ggml_tensor_overhead(), nullptr, true };
     ctx = ggml_init(ip);
@@ -50,10 +53,11 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     }
     layer_of_il.assign(max_il + 1, -1);
 
+    // one more row per stream, never attended: where a token without a slot writes its row
     for (const auto & l : kv.layers) {
         layer_of_il[l.il] = (int32_t) k_buf.size();
-        k_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.k->ne[0], n_rows));
-        v_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.v->ne[0], n_rows));
+        k_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.k->ne[0], (int64_t) n_rows() * kv.n_stream));
+        v_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.v->ne[0], (int64_t) n_rows() * kv.n_stream));
         ggml_format_name(k_buf.back(), "kvcomp_k_l%u", l.il);
         ggml_format_name(v_buf.back(), "kvcomp_v_l%u", l.il);
     }
@@ -71,9 +75,9 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     ggml_backend_buffer_clear(buf, 0);
 
     LLAMA_LOG_INFO("kvcomp: residual buffer: window = %d, sinks = %d, merge interval = %d, pin threshold = %.3f, "
-            "pin budget = %u cells, %u slots, %.2f MiB\n",
-            params.window, params.sinks, params.merge_interval, params.pin_threshold, pin_budget, n,
-            ggml_backend_buffer_get_size(buf) / (1024.0 * 1024.0));
+            "pin budget = %u cells, %u streams of %u slots, %.2f MiB\n",
+            params.window, params.sinks, params.merge_interval, params.pin_threshold, pin_budget, kv.n_stream,
+            n_slots_stream, ggml_backend_buffer_get_size(buf) / (1024.0 * 1024.0));
 }
 
 llama_kvcomp_buffer::~llama_kvcomp_buffer() {
@@ -85,25 +89,26 @@ bool llama_kvcomp_buffer::is_exact(llama_pos key, llama_pos query, bool pinned) 
     return pinned || key < params.sinks || key > query - params.window;
 }
 
-void llama_kvcomp_buffer::free_slot(uint32_t s) {
-    if (slot_cell[s] >= 0) {
-        cell_slot[slot_cell[s]] = -1;
+void llama_kvcomp_buffer::free_slot(stream_map & m, uint32_t s) {
+    if (m.slot_cell[s] >= 0) {
+        m.cell_slot[m.slot_cell[s]] = -1;
     }
-    slot_cell[s]  = -1;
-    slot_kinds[s] = SLOT_KIND_FREE;
+    m.slot_cell[s]  = -1;
+    m.slot_kinds[s] = SLOT_KIND_FREE;
 }
 
-void llama_kvcomp_buffer::set_slot(uint32_t s, uint32_t cell, llama_pos pos, slot_kind kind) {
-    slot_cell[s]  = (int32_t) cell;
-    slot_pos[s]   = pos;
-    slot_kinds[s] = kind;
-    slot_err[s]   = 0.0f;
-    cell_slot[cell] = (int32_t) s;
+void llama_kvcomp_buffer::set_slot(stream_map & m, uint32_t s, uint32_t cell, llama_pos pos, slot_kind kind) {
+    m.slot_cell[s]  = (int32_t) cell;
+    m.slot_pos[s]   = pos;
+    m.slot_kinds[s] = kind;
+    m.slot_err[s]   = 0.0f;
+    m.cell_slot[cell] = (int32_t) s;
 }
 
 uint32_t llama_kvcomp_buffer::n_main(uint32_t n_kv, uint32_t kv_size, int32_t il, bool is_k) const {
     const ggml_tensor * cur = (is_k ? k_cur : v_cur)[layer_of_il[il]];
-    const uint32_t extra = n_extra(cur ? (uint32_t) cur->ne[1] : 0);
+    const uint32_t n_streams = ub_streams.empty() ? 1 : (uint32_t) ub_streams.size();
+    const uint32_t extra = n_extra(cur ? (uint32_t) cur->ne[1] / n_streams : 0);
     GGML_ASSERT(n_kv > extra);
     // a worst-case reserve graph reports n_extra_max() on top of the whole cache
     return std::min(n_kv - extra, kv_size);
@@ -111,15 +116,16 @@ uint32_t llama_kvcomp_buffer::n_main(uint32_t n_kv, uint32_t kv_size, int32_t il
 
 // ||x - deq(q(x))|| / ||x|| over the token's K and V rows in every layer: x is the slot's
 // F16 row, deq(q(x)) the main cache's row.
-float llama_kvcomp_buffer::measure(const llama_kv_cache & kv, uint32_t s) const {
-    const uint32_t c = (uint32_t) slot_cell[s];
+float llama_kvcomp_buffer::measure(const llama_kv_cache & kv, uint32_t strm, uint32_t s) const {
+    const uint64_t c = (uint64_t) strm * kv.get_size() + maps[strm].slot_cell[s];
+    const uint64_t r = (uint64_t) strm * n_rows() + s;
     double err = 0.0, ref = 0.0;
     std::vector<uint8_t> raw;
     std::vector<ggml_fp16_t> exact;
     std::vector<float> x, y;
     for (size_t ib = 0; ib < k_buf.size(); ++ib) {
         for (int is_k = 0; is_k < 2; ++is_k) {
-            const ggml_tensor * main = is_k ? kv.layers[ib].k : kv.layers[ib].v;
+            const ggml_tensor * main  = is_k ? kv.layers[ib].k : kv.layers[ib].v;
             const ggml_tensor * slots = is_k ? k_buf[ib] : v_buf[ib];
             const int64_t n = main->ne[0];
             raw.resize(main->nb[1]);
@@ -127,7 +133,7 @@ float llama_kvcomp_buffer::measure(const llama_kv_cache & kv, uint32_t s) const 
             x.resize(n);
             y.resize(n);
             ggml_backend_tensor_get(main, raw.data(), c * main->nb[1], main->nb[1]);
-            ggml_backend_tensor_get(slots, exact.data(), s * slots->nb[1], slots->nb[1]);
+            ggml_backend_tensor_get(slots, exact.data(), r * slots->nb[1], slots->nb[1]);
             ggml_fp16_to_fp32_row(exact.data(), x.data(), n);
             if (main->type == GGML_TYPE_F32) {
                 std::memcpy(y.data(), raw.data(), n * sizeof(float));
@@ -145,47 +151,58 @@ float llama_kvcomp_buffer::measure(const llama_kv_cache & kv, uint32_t s) const 
 
 // A measured token that left the window: an outlier stays (pinned) within the budget, the
 // least harmful pin making room for a worse one; everything else is released.
-void llama_kvcomp_buffer::pin_or_free(uint32_t s) {
-    if (params.pin_threshold <= 0.0f || slot_err[s] <= params.pin_threshold || pin_budget == 0) {
-        free_slot(s);
+void llama_kvcomp_buffer::pin_or_free(stream_map & m, uint32_t s) {
+    if (params.pin_threshold <= 0.0f || m.slot_err[s] <= params.pin_threshold || pin_budget == 0) {
+        free_slot(m, s);
         return;
     }
     uint32_t n_pinned = 0;
     int32_t  weakest  = -1;
     for (uint32_t t = 0; t < n_slots(); ++t) {
-        if (slot_kinds[t] == SLOT_KIND_PINNED) {
+        if (m.slot_kinds[t] == SLOT_KIND_PINNED) {
             ++n_pinned;
-            if (weakest < 0 || slot_err[t] < slot_err[weakest]) {
+            if (weakest < 0 || m.slot_err[t] < m.slot_err[weakest]) {
                 weakest = (int32_t) t;
             }
         }
     }
     if (n_pinned >= pin_budget) {
-        if (slot_err[weakest] >= slot_err[s]) {
-            evicted_err_max = std::max(evicted_err_max, slot_err[s]);
-            free_slot(s);
+        if (m.slot_err[weakest] >= m.slot_err[s]) {
+            evicted_err_max = std::max(evicted_err_max, m.slot_err[s]);
+            free_slot(m, s);
             return;
         }
-        evicted_err_max = std::max(evicted_err_max, slot_err[weakest]);
-        free_slot((uint32_t) weakest);
+        evicted_err_max = std::max(evicted_err_max, m.slot_err[weakest]);
+        free_slot(m, (uint32_t) weakest);
     }
-    slot_kinds[s] = SLOT_KIND_PINNED;
+    m.slot_kinds[s] = SLOT_KIND_PINNED;
 }
 
-void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const std::vector<uint32_t> & cells_ub, const llama_ubatch & ubatch) {
-    const auto & cells = kv.v_cells[0];
-
-    for (uint32_t c : ub_cells) {
-        cell_ub[c] = -1;
+void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ubatch) {
+    for (auto & m : maps) {
+        std::fill(m.cell_ub.begin(), m.cell_ub.end(), -1);
     }
-    ub_cells = cells_ub;
+    ub_streams.assign(sinfo.strm.begin(), sinfo.strm.end());
+    ub_n_tokens = ubatch.n_tokens;
+    ++n_applied;
+    // the ubatch holds the same number of tokens for each of its streams, stream by stream
+    for (size_t s = 0; s < sinfo.n_stream(); ++s) {
+        apply_stream(kv, sinfo.strm[s], sinfo.idxs[s], ubatch, (uint32_t) (s * sinfo.size()));
+    }
+}
+
+void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm, const std::vector<uint32_t> & cells_ub,
+                                       const llama_ubatch & ubatch, uint32_t i0) {
+    const auto & cells = kv.v_cells[strm];
+    stream_map & m = maps[strm];
+
     for (uint32_t i = 0; i < cells_ub.size(); ++i) {
-        cell_ub[cells_ub[i]] = (int32_t) i;
+        m.cell_ub[cells_ub[i]] = (int32_t) i;
     }
 
     // the earliest query of each sequence in this ubatch, and the first one after it
     std::map<llama_seq_id, llama_pos> first_query, next_query;
-    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+    for (uint32_t i = i0; i < i0 + cells_ub.size(); ++i) {
         for (int32_t j = 0; j < ubatch.n_seq_id[i]; ++j) {
             const llama_seq_id seq = ubatch.seq_id[i][j];
             auto it = first_query.find(seq);
@@ -200,16 +217,16 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const std::vector<uin
     // matches the row in its slot; rows written by the last ubatch get their error measured
     uint32_t n_used = 0;
     for (uint32_t s = 0; s < n_slots(); ++s) {
-        const int32_t c = slot_cell[s];
+        const int32_t c = m.slot_cell[s];
         if (c < 0) {
             continue;
         }
-        if (cells.is_empty(c) || cells.pos_get(c) != slot_pos[s] || cell_ub[c] >= 0) {
-            free_slot(s);
+        if (cells.is_empty(c) || cells.pos_get(c) != m.slot_pos[s] || m.cell_ub[c] >= 0) {
+            free_slot(m, s);
             continue;
         }
-        if (slot_kinds[s] == SLOT_KIND_STAGED) {
-            slot_err[s] = measure(kv, s);
+        if (m.slot_kinds[s] == SLOT_KIND_STAGED) {
+            m.slot_err[s] = measure(kv, strm, s);
         }
         ++n_used;
     }
@@ -218,23 +235,22 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const std::vector<uin
     std::vector<bool> needs_slot(cells_ub.size(), params.pin_threshold > 0.0f);
     uint32_t n_needed = 0;
     for (uint32_t i = 0; i < cells_ub.size(); ++i) {
-        for (int32_t j = 0; j < ubatch.n_seq_id[i] && !needs_slot[i]; ++j) {
-            needs_slot[i] = is_exact(ubatch.pos[i], next_query[ubatch.seq_id[i][j]], false);
+        for (int32_t j = 0; j < ubatch.n_seq_id[i0 + i] && !needs_slot[i]; ++j) {
+            needs_slot[i] = is_exact(ubatch.pos[i0 + i], next_query[ubatch.seq_id[i0 + i][j]], false);
         }
         n_needed += needs_slot[i];
     }
 
     // merge (release) on the fixed interval, when the slots fill past merge_at, or when this
     // ubatch would not fit
-    ++n_applied;
     const bool merge = n_applied % (uint64_t) params.merge_interval == 0 ||
                        n_used >= params.merge_at * n_slots() ||
                        n_used + n_needed > n_slots();
     if (merge) {
         ++n_merges;
         for (uint32_t s = 0; s < n_slots(); ++s) {
-            const int32_t c = slot_cell[s];
-            if (c < 0 || slot_kinds[s] == SLOT_KIND_PINNED || slot_pos[s] < params.sinks) {
+            const int32_t c = m.slot_cell[s];
+            if (c < 0 || m.slot_kinds[s] == SLOT_KIND_PINNED || m.slot_pos[s] < params.sinks) {
                 continue;
             }
             bool keep = false;
@@ -243,17 +259,17 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const std::vector<uin
                     continue;
                 }
                 const auto it = first_query.find(seq);
-                keep = is_exact(slot_pos[s], it != first_query.end() ? it->second : cells.seq_pos_max(seq) + 1, false);
+                keep = is_exact(m.slot_pos[s], it != first_query.end() ? it->second : cells.seq_pos_max(seq) + 1, false);
             }
             if (!keep) {
-                pin_or_free(s);
-                n_released += slot_kinds[s] == SLOT_KIND_FREE;
+                pin_or_free(m, s);
+                n_released += m.slot_kinds[s] == SLOT_KIND_FREE;
             }
         }
     }
     for (uint32_t s = 0; s < n_slots(); ++s) {
-        if (slot_kinds[s] == SLOT_KIND_STAGED) {
-            slot_kinds[s] = SLOT_KIND_ROW;
+        if (m.slot_kinds[s] == SLOT_KIND_STAGED) {
+            m.slot_kinds[s] = SLOT_KIND_ROW;
         }
     }
 
@@ -265,23 +281,24 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const std::vector<uin
         if (!needs_slot[i]) {
             continue;
         }
+        const llama_pos pos = ubatch.pos[i0 + i];
         int32_t s = -1;
-        if (slot_cell[ubatch.pos[i] % n_slots()] < 0) {
-            s = ubatch.pos[i] % n_slots();
+        if (m.slot_cell[pos % n_slots()] < 0) {
+            s = pos % n_slots();
         } else {
-            while (next_free < n_slots() && slot_cell[next_free] >= 0) {
+            while (next_free < n_slots() && m.slot_cell[next_free] >= 0) {
                 ++next_free;
             }
             if (next_free == n_slots()) {
                 // pins and rows still in some window fill every slot: the token is attended
                 // through its quantized row, which is correct, only not exact
-                LLAMA_LOG_WARN("%s: residual buffer full, position %d stays quantized\n", __func__, ubatch.pos[i]);
+                LLAMA_LOG_WARN("%s: residual buffer full, position %d stays quantized\n", __func__, pos);
                 ++n_overflow;
                 continue;
             }
             s = (int32_t) next_free;
         }
-        set_slot((uint32_t) s, cells_ub[i], ubatch.pos[i], params.pin_threshold > 0.0f ? SLOT_KIND_STAGED : SLOT_KIND_ROW);
+        set_slot(m, (uint32_t) s, cells_ub[i], pos, params.pin_threshold > 0.0f ? SLOT_KIND_STAGED : SLOT_KIND_ROW);
     }
 }
 
@@ -298,20 +315,24 @@ ggml_tensor * llama_kvcomp_buffer::cpy(ggml_context * ctx0, ggml_tensor * cache,
 }
 
 ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_view, int32_t il, bool is_k) const {
-    const int32_t ib = layer_of_il[il];
+    const int32_t ib  = layer_of_il[il];
     const int64_t ne0 = main_view->ne[0];
     const int64_t ne1 = main_view->ne[1];
+    const int64_t ns  = main_view->ne[3];
+    const uint32_t s0 = ub_streams.empty() ? 0 : ub_streams[0];
 
     ggml_tensor * & written = (is_k ? k_written : v_written)[ib];
     ggml_tensor * & cur     = (is_k ? k_cur : v_cur)[ib];
     ggml_tensor * slots = written ? written : (is_k ? k_buf : v_buf)[ib];
 
-    ggml_tensor * sv = ggml_view_4d(ctx0, slots, ne0, ne1, n_slots(), 1,
-            ggml_row_size(slots->type, ne0), slots->nb[1], slots->nb[1] * n_slots(), 0);
+    // the ubatch's streams are consecutive, as upstream's views of the main cache assume
+    ggml_tensor * sv = ggml_view_4d(ctx0, slots, ne0, ne1, n_slots(), ns,
+            ggml_row_size(slots->type, ne0), slots->nb[1], slots->nb[1] * n_rows(), slots->nb[1] * n_rows() * s0);
     ggml_tensor * res = ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F32), ggml_cast(ctx0, sv, GGML_TYPE_F32), 2);
     if (cur) {
-        ggml_tensor * uv = ggml_view_4d(ctx0, cur, ne0, ne1, cur->ne[1], 1,
-                ggml_row_size(cur->type, ne0), cur->nb[1], cur->nb[1] * cur->ne[1], 0);
+        const int64_t n_tps = cur->ne[1] / ns;
+        ggml_tensor * uv = ggml_view_4d(ctx0, cur, ne0, ne1, n_tps, ns,
+                ggml_row_size(cur->type, ne0), cur->nb[1], cur->nb[1] * n_tps, 0);
         res = ggml_concat(ctx0, res, ggml_cast(ctx0, uv, GGML_TYPE_F32), 2);
     }
     written = nullptr;
@@ -319,44 +340,53 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     return res;
 }
 
-void llama_kvcomp_buffer::set_input_slot_idxs(int64_t * dst, const std::vector<uint32_t> & cells) const {
-    for (size_t i = 0; i < cells.size(); ++i) {
-        dst[i] = cell_slot[cells[i]] >= 0 ? cell_slot[cells[i]] : n_slots();
+void llama_kvcomp_buffer::set_input_slot_idxs(int64_t * dst, const llama_kv_cache::slot_info & sinfo) const {
+    for (size_t s = 0; s < sinfo.n_stream(); ++s) {
+        const stream_map & m = maps[sinfo.strm[s]];
+        const int64_t offs = (int64_t) sinfo.strm[s] * n_rows();
+        for (size_t i = 0; i < sinfo.size(); ++i) {
+            const int32_t slot = m.cell_slot[sinfo.idxs[s][i]];
+            dst[s * sinfo.size() + i] = offs + (slot >= 0 ? slot : n_slots());
+        }
     }
 }
 
 void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tensor * dst, const llama_ubatch * ubatch,
                                             const std::function<void(float *, int64_t)> & fill_main) const {
-    const auto & cells = kv.v_cells[0];
-    const int64_t n_kv    = dst->ne[0];
-    const int64_t n_ub    = (int64_t) ub_cells.size();
-    const int64_t n_main  = n_kv - n_extra((uint32_t) n_ub);
-    const int64_t n_rows  = dst->ne[1] * dst->ne[2] * dst->ne[3];
+    const int64_t n_kv   = dst->ne[0];
+    const int64_t n_ps   = (int64_t) ub_streams.size();
+    const int64_t n_tps  = ubatch->n_tokens / n_ps;
+    const int64_t n_main = n_kv - n_extra((uint32_t) n_tps);
+    const int64_t n_rows = dst->ne[1] * dst->ne[2] * dst->ne[3];
 
     std::vector<float> main((size_t) n_main * n_rows);
     fill_main(main.data(), n_main);
 
     std::vector<float> row(n_kv);
     for (int64_t r = 0; r < n_rows; ++r) {
+        // rows are the ubatch's tokens, stream by stream
+        const uint32_t strm = ub_streams[std::min(r / n_tps, n_ps - 1)];
+        const auto & cells = kv.v_cells[strm];
+        const stream_map & m = maps[strm];
         const llama_pos p = ubatch->pos[r % ubatch->n_tokens];
         std::fill(row.begin() + n_main, row.end(), -INFINITY);
         for (int64_t j = 0; j < n_main; ++j) {
-            const float m = main[r * n_main + j];
-            row[j] = m;
-            if (m == -INFINITY) {
+            const float v = main[r * n_main + j];
+            row[j] = v;
+            if (v == -INFINITY) {
                 continue;
             }
             const llama_pos q = cells.pos_get(j);
-            if (cell_ub[j] >= 0) {
+            if (m.cell_ub[j] >= 0) {
                 if (is_exact(q, p, false)) {
-                    row[n_main + n_slots() + cell_ub[j]] = m;
+                    row[n_main + n_slots() + m.cell_ub[j]] = v;
                     row[j] = -INFINITY;
                 }
                 continue;
             }
-            const int32_t s = cell_slot[j];
-            if (s >= 0 && is_exact(q, p, slot_kinds[s] == SLOT_KIND_PINNED)) {
-                row[n_main + s] = m;
+            const int32_t s = m.cell_slot[j];
+            if (s >= 0 && is_exact(q, p, m.slot_kinds[s] == SLOT_KIND_PINNED)) {
+                row[n_main + s] = v;
                 row[j] = -INFINITY;
             }
         }
@@ -369,18 +399,22 @@ void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tens
 }
 
 void llama_kvcomp_buffer::set_input_shift(const llama_kv_cache & kv) {
-    const auto & cells = kv.v_cells[0];
     int32_t * data = (int32_t *) shift_input->data;
-    for (uint32_t s = 0; s < n_slots(); ++s) {
-        const int32_t c = slot_cell[s];
-        data[s] = 0;
-        // a slot written at the cell's old position moves with it
-        if (c >= 0 && !cells.is_empty(c) && cells.get_shift(c) != 0 && cells.pos_get(c) - cells.get_shift(c) == slot_pos[s]) {
-            data[s] = cells.get_shift(c);
-            slot_pos[s] = cells.pos_get(c);
+    for (uint32_t strm = 0; strm < maps.size(); ++strm) {
+        const auto & cells = kv.v_cells[strm];
+        stream_map & m = maps[strm];
+        int32_t * d = data + (size_t) strm * n_rows();
+        for (uint32_t s = 0; s < n_slots(); ++s) {
+            const int32_t c = m.slot_cell[s];
+            d[s] = 0;
+            // a slot written at the cell's old position moves with it
+            if (c >= 0 && !cells.is_empty(c) && cells.get_shift(c) != 0 && cells.pos_get(c) - cells.get_shift(c) == m.slot_pos[s]) {
+                d[s] = cells.get_shift(c);
+                m.slot_pos[s] = cells.pos_get(c);
+            }
         }
+        d[n_slots()] = 0;
     }
-    data[n_slots()] = 0;
 }
 
 namespace {
@@ -401,7 +435,7 @@ public:
 } // namespace
 
 ggml_tensor * llama_kvcomp_buffer::build_input_shift(const llama_kv_cache & kv, ggml_context * ctx0, llm_graph_result * res) {
-    shift_input = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, n_slots() + 1);
+    shift_input = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, (int64_t) n_rows() * maps.size());
     ggml_set_input(shift_input);
     res->add_input(std::make_unique<llm_graph_input_kvcomp_shift>(kv, *this));
     return shift_input;
@@ -428,40 +462,61 @@ ggml_tensor * llama_kvcomp_buffer::build_shift(const llama_kv_cache & kv, ggml_c
     return ggml_cpy(ctx0, tmp, view);
 }
 
-void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cache & kv, llama_seq_id seq_id) const {
-    const auto & cells = kv.v_cells[0];
-
-    // upstream writes the cells it saves in index order; a slot names its cell by that rank
-    std::vector<uint32_t> entry_rank, entry_slot;
-    uint32_t rank = 0;
-    for (uint32_t c = 0; c < cells.size(); ++c) {
-        if (cells.is_empty(c) || (seq_id != -1 && !cells.seq_has(c, seq_id))) {
-            continue;
-        }
-        if (cell_slot[c] >= 0 && slot_pos[cell_slot[c]] == cells.pos_get(c)) {
-            entry_rank.push_back(rank);
-            entry_slot.push_back((uint32_t) cell_slot[c]);
-        }
-        ++rank;
+void llama_kvcomp_buffer::copy_stream(uint32_t ssrc, uint32_t sdst) {
+    std::vector<uint8_t> tmp;
+    for (ggml_tensor * t : k_buf) {
+        tmp.resize(t->nb[1] * n_rows());
+        ggml_backend_tensor_get(t, tmp.data(), t->nb[1] * n_rows() * ssrc, tmp.size());
+        ggml_backend_tensor_set(t, tmp.data(), t->nb[1] * n_rows() * sdst, tmp.size());
     }
+    for (ggml_tensor * t : v_buf) {
+        tmp.resize(t->nb[1] * n_rows());
+        ggml_backend_tensor_get(t, tmp.data(), t->nb[1] * n_rows() * ssrc, tmp.size());
+        ggml_backend_tensor_set(t, tmp.data(), t->nb[1] * n_rows() * sdst, tmp.size());
+    }
+    maps[sdst] = maps[ssrc];
+}
 
+void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cache & kv, llama_seq_id seq_id) const {
     const uint32_t header[] = {
         KVCOMP_STATE_MAGIC, KVCOMP_STATE_VERSION, (uint32_t) k_buf.size(), (uint32_t) k_buf[0]->ne[0],
-        (uint32_t) v_buf[0]->ne[0], n_slots(), (uint32_t) entry_rank.size(),
+        (uint32_t) v_buf[0]->ne[0], n_slots(), (uint32_t) maps.size(),
     };
     io.write(header, sizeof(header));
-    for (size_t e = 0; e < entry_rank.size(); ++e) {
-        const uint32_t s = entry_slot[e];
-        const uint8_t kind = slot_kinds[s];
-        io.write(&entry_rank[e], sizeof(uint32_t));
-        io.write(&s,             sizeof(uint32_t));
-        io.write(&kind,          sizeof(kind));
-        io.write(&slot_err[s],   sizeof(float));
-    }
-    for (size_t ib = 0; ib < k_buf.size(); ++ib) {
-        for (ggml_tensor * t : { k_buf[ib], v_buf[ib] }) {
-            for (uint32_t s : entry_slot) {
-                io.write_tensor(t, s * t->nb[1], t->nb[1]);
+
+    for (uint32_t strm = 0; strm < maps.size(); ++strm) {
+        const auto & cells = kv.v_cells[strm];
+        const stream_map & m = maps[strm];
+
+        // upstream writes the cells it saves in index order; a slot names its cell by that rank
+        std::vector<uint32_t> entry_rank, entry_slot;
+        uint32_t rank = 0;
+        for (uint32_t c = 0; c < cells.size(); ++c) {
+            if (cells.is_empty(c) || (seq_id != -1 && !cells.seq_has(c, seq_id))) {
+                continue;
+            }
+            if (m.cell_slot[c] >= 0 && m.slot_pos[m.cell_slot[c]] == cells.pos_get(c)) {
+                entry_rank.push_back(rank);
+                entry_slot.push_back((uint32_t) m.cell_slot[c]);
+            }
+            ++rank;
+        }
+
+        const uint32_t n_entries = (uint32_t) entry_rank.size();
+        io.write(&n_entries, sizeof(n_entries));
+        for (uint32_t e = 0; e < n_entries; ++e) {
+            const uint32_t s = entry_slot[e];
+            const uint8_t kind = m.slot_kinds[s];
+            io.write(&entry_rank[e], sizeof(uint32_t));
+            io.write(&s,             sizeof(uint32_t));
+            io.write(&kind,          sizeof(kind));
+            io.write(&m.slot_err[s], sizeof(float));
+        }
+        for (size_t ib = 0; ib < k_buf.size(); ++ib) {
+            for (ggml_tensor * t : { k_buf[ib], v_buf[ib] }) {
+                for (uint32_t s : entry_slot) {
+                    io.write_tensor(t, ((size_t) strm * n_rows() + s) * t->nb[1], t->nb[1]);
+                }
             }
         }
     }
@@ -470,12 +525,18 @@ void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cach
 void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, llama_seq_id seq_id,
                                      const llama_kv_cache::slot_info_vec_t & sinfos) {
     // the restored cells hold other tokens now
-    const std::vector<uint32_t> none;
-    const std::vector<uint32_t> & restored = !sinfos.empty() && !sinfos[0].empty() ? sinfos[0].idxs[0] : none;
-    for (uint32_t s = 0; s < n_slots(); ++s) {
-        const int32_t c = slot_cell[s];
-        if (c >= 0 && (seq_id == -1 || std::find(restored.begin(), restored.end(), (uint32_t) c) != restored.end())) {
-            free_slot(s);
+    for (uint32_t strm = 0; strm < maps.size(); ++strm) {
+        stream_map & m = maps[strm];
+        for (uint32_t s = 0; s < n_slots(); ++s) {
+            const int32_t c = m.slot_cell[s];
+            bool restored = seq_id == -1;
+            for (const auto & si : sinfos) {
+                restored = restored || (!si.empty() && si.strm[0] == strm &&
+                                        std::find(si.idxs[0].begin(), si.idxs[0].end(), (uint32_t) c) != si.idxs[0].end());
+            }
+            if (c >= 0 && restored) {
+                free_slot(m, s);
+            }
         }
     }
 
@@ -492,53 +553,65 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
         if (header[2] != k_buf.size() || header[3] != k_buf[0]->ne[0] || header[4] != v_buf[0]->ne[0]) {
             throw std::runtime_error("residual buffer section is for another model");
         }
-        const uint32_t n_entries = header[6];
-        if (n_entries > restored.size()) {
-            throw std::runtime_error("residual buffer section holds more rows than the state has cells");
+        if (header[6] != sinfos.size()) {
+            throw std::runtime_error("residual buffer section has " + std::to_string(header[6]) + " streams, the state " +
+                                     std::to_string(sinfos.size()));
         }
 
-        // a slot goes back where it was when this buffer has the same size, so the keys
-        // reach attention in the same order as before the save
-        std::vector<uint32_t> dst(n_entries);
-        std::vector<slot_kind> kinds(n_entries);
-        std::vector<float> errs(n_entries);
-        std::vector<uint32_t> cells_of(n_entries);
-        std::vector<bool> taken(n_slots(), false);
-        for (uint32_t s = 0; s < n_slots(); ++s) {
-            taken[s] = slot_cell[s] >= 0;
-        }
-        for (uint32_t e = 0; e < n_entries; ++e) {
-            uint32_t r, s;
-            uint8_t kind;
-            io.read(&r,       sizeof(r));
-            io.read(&s,       sizeof(s));
-            io.read(&kind,    sizeof(kind));
-            io.read(&errs[e], sizeof(float));
-            if (r >= restored.size() || kind == SLOT_KIND_FREE || kind > SLOT_KIND_PINNED || !std::isfinite(errs[e])) {
-                throw std::runtime_error("residual buffer section is corrupted");
+        for (uint32_t si = 0; si < header[6]; ++si) {
+            uint32_t n_entries = 0;
+            io.read(&n_entries, sizeof(n_entries));
+            const bool has_cells = !sinfos[si].empty();
+            const std::vector<uint32_t> none;
+            const std::vector<uint32_t> & restored = has_cells ? sinfos[si].idxs[0] : none;
+            if (n_entries > restored.size()) {
+                throw std::runtime_error("residual buffer section holds more rows than the state has cells");
             }
-            if (header[5] != n_slots() || s >= n_slots() || taken[s]) {
-                s = (uint32_t) (std::find(taken.begin(), taken.end(), false) - taken.begin());
+            const uint32_t strm = has_cells ? sinfos[si].strm[0] : 0;
+            stream_map & m = maps[strm];
+
+            // a slot goes back where it was when this buffer has the same size, so the keys
+            // reach attention in the same order as before the save
+            std::vector<uint32_t> dst(n_entries), cells_of(n_entries);
+            std::vector<slot_kind> kinds(n_entries);
+            std::vector<float> errs(n_entries);
+            std::vector<bool> taken(n_slots(), false);
+            for (uint32_t s = 0; s < n_slots(); ++s) {
+                taken[s] = m.slot_cell[s] >= 0;
             }
-            dst[e]      = s; // n_slots(): no room, the row is read into the scratch row
-            kinds[e]    = (slot_kind) kind;
-            cells_of[e] = restored[r];
-            if (s < n_slots()) {
-                taken[s] = true;
-            }
-        }
-        for (size_t ib = 0; ib < k_buf.size(); ++ib) {
-            for (ggml_tensor * t : { k_buf[ib], v_buf[ib] }) {
-                for (uint32_t e = 0; e < n_entries; ++e) {
-                    io.read_tensor(t, dst[e] * t->nb[1], t->nb[1]);
+            for (uint32_t e = 0; e < n_entries; ++e) {
+                uint32_t r, s;
+                uint8_t kind;
+                io.read(&r,       sizeof(r));
+                io.read(&s,       sizeof(s));
+                io.read(&kind,    sizeof(kind));
+                io.read(&errs[e], sizeof(float));
+                if (r >= restored.size() || kind == SLOT_KIND_FREE || kind > SLOT_KIND_PINNED || !std::isfinite(errs[e])) {
+                    throw std::runtime_error("residual buffer section is corrupted");
+                }
+                if (header[5] != n_slots() || s >= n_slots() || taken[s]) {
+                    s = (uint32_t) (std::find(taken.begin(), taken.end(), false) - taken.begin());
+                }
+                dst[e]      = s; // n_slots(): no room, the row is read into the scratch row
+                kinds[e]    = (slot_kind) kind;
+                cells_of[e] = restored[r];
+                if (s < n_slots()) {
+                    taken[s] = true;
                 }
             }
-        }
-        const auto & cells = kv.v_cells[0];
-        for (uint32_t e = 0; e < n_entries; ++e) {
-            if (dst[e] < n_slots()) {
-                set_slot(dst[e], cells_of[e], cells.pos_get(cells_of[e]), kinds[e]);
-                slot_err[dst[e]] = errs[e];
+            for (size_t ib = 0; ib < k_buf.size(); ++ib) {
+                for (ggml_tensor * t : { k_buf[ib], v_buf[ib] }) {
+                    for (uint32_t e = 0; e < n_entries; ++e) {
+                        io.read_tensor(t, ((size_t) strm * n_rows() + dst[e]) * t->nb[1], t->nb[1]);
+                    }
+                }
+            }
+            const auto & cells = kv.v_cells[strm];
+            for (uint32_t e = 0; e < n_entries; ++e) {
+                if (dst[e] < n_slots()) {
+                    set_slot(m, dst[e], cells_of[e], cells.pos_get(cells_of[e]), kinds[e]);
+                    m.slot_err[dst[e]] = errs[e];
+                }
             }
         }
     } catch (const std::exception & e) {
@@ -553,20 +626,22 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
 
 llama_kvcomp_stats llama_kvcomp_buffer::get_stats() const {
     llama_kvcomp_stats st = {};
-    st.n_slots         = (int32_t) n_slots();
+    st.n_slots         = (int32_t) (n_slots() * maps.size());
     st.n_pin_budget    = (int32_t) pin_budget;
     st.n_merges        = n_merges;
     st.n_released      = n_released;
     st.n_overflow      = n_overflow;
     st.evicted_err_max = evicted_err_max;
-    for (uint32_t s = 0; s < n_slots(); ++s) {
-        if (slot_kinds[s] == SLOT_KIND_FREE) {
-            continue;
-        }
-        ++st.n_used;
-        if (slot_kinds[s] == SLOT_KIND_PINNED) {
-            st.pin_err_min = st.n_pinned == 0 ? slot_err[s] : std::min(st.pin_err_min, slot_err[s]);
-            ++st.n_pinned;
+    for (const stream_map & m : maps) {
+        for (uint32_t s = 0; s < n_slots(); ++s) {
+            if (m.slot_kinds[s] == SLOT_KIND_FREE) {
+                continue;
+            }
+            ++st.n_used;
+            if (m.slot_kinds[s] == SLOT_KIND_PINNED) {
+                st.pin_err_min = st.n_pinned == 0 ? m.slot_err[s] : std::min(st.pin_err_min, m.slot_err[s]);
+                ++st.n_pinned;
+            }
         }
     }
     return st;
@@ -618,8 +693,8 @@ llama_kvcomp_params llama_kvcomp_default_params(void) {
 }
 
 int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max) {
-    if (kv.v_trans || kv.n_stream != 1) {
-        LLAMA_LOG_ERROR("%s: the residual buffer needs flash attention (-fa on) and a unified KV cache (--kv-unified) for now\n", __func__);
+    if (kv.v_trans) {
+        LLAMA_LOG_ERROR("%s: the residual buffer needs flash attention (-fa on)\n", __func__);
         return -2;
     }
     if (params.window == 0 && params.sinks == 0 && params.pin_threshold == 0.0f) {

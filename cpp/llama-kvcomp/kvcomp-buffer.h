@@ -33,7 +33,8 @@ struct llama_kvcomp_buffer {
     // llama_kvcomp_configure on one cache; same return codes
     static int32_t attach(llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max);
 
-    uint32_t n_slots() const { return (uint32_t) slot_cell.size(); }
+    // slots per KV stream
+    uint32_t n_slots() const { return n_slots_stream; }
 
     llama_kvcomp_stats get_stats() const;
 
@@ -44,10 +45,9 @@ struct llama_kvcomp_buffer {
     // main cells of a get_k/get_v of width n_kv in the graph being built (after its cpy)
     uint32_t n_main(uint32_t n_kv, uint32_t kv_size, int32_t il, bool is_k) const;
 
-    // After upstream placed the ubatch in `cells` (one stream): decide pins, release slots no
-    // query will see exactly, and give a slot to every token of the ubatch that later
-    // queries see exactly.
-    void apply(const llama_kv_cache & kv, const std::vector<uint32_t> & cells, const llama_ubatch & ubatch);
+    // After upstream placed the ubatch (sinfo): decide pins, release slots no query will see
+    // exactly, and give a slot to every token of the ubatch that later queries see exactly.
+    void apply(const llama_kv_cache & kv, const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ubatch);
 
     // Writes the ubatch's rows into the main cache (returned) and into the slots (kept for
     // the get() of the same layer in the same graph); `idxs` holds main rows then slot rows.
@@ -56,8 +56,8 @@ struct llama_kvcomp_buffer {
     // [main view ; slots ; current ubatch], as F32, along the cell dimension.
     ggml_tensor * get(ggml_context * ctx, ggml_tensor * main_view, int32_t il, bool is_k) const;
 
-    // Slot index of each ubatch token, in the second half of a k/v idxs input.
-    void set_input_slot_idxs(int64_t * dst, const std::vector<uint32_t> & cells) const;
+    // Slot row of each ubatch token, in the second half of a k/v idxs input.
+    void set_input_slot_idxs(int64_t * dst, const llama_kv_cache::slot_info & sinfo) const;
 
     // fill_main(data, n_kv_main) writes upstream's mask for the main cells; this widens it.
     void set_input_kq_mask(const llama_kv_cache & kv, ggml_tensor * dst, const llama_ubatch * ubatch,
@@ -70,6 +70,9 @@ struct llama_kvcomp_buffer {
     ggml_tensor * build_shift(const llama_kv_cache & kv, ggml_context * ctx, const llama_cparams & cparams,
                               ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors,
                               float freq_base, float freq_scale, uint32_t il) const;
+
+    // Split KV: a sequence copied to another stream takes that stream's slots along.
+    void copy_stream(uint32_t ssrc, uint32_t sdst);
 
     // The buffer's part of a state: the slots of the cells upstream wrote, after them.
     void state_write(llama_io_write_i & io, const llama_kv_cache & kv, llama_seq_id seq_id) const;
@@ -86,30 +89,40 @@ private:
         SLOT_KIND_PINNED, // an outlier, exact for every later query
     };
 
+    // The slot map of one KV stream; slot s of stream st is row st * (n_slots + 1) + s.
+    struct stream_map {
+        std::vector<int32_t>   slot_cell; // cell held by each slot, -1 when free
+        std::vector<llama_pos> slot_pos;  // position the cell had when its row was written
+        std::vector<slot_kind> slot_kinds;
+        std::vector<float>     slot_err;  // measured relative error (staged and pinned slots)
+        std::vector<int32_t>   cell_slot; // slot of each cell, -1 when none
+        std::vector<int32_t>   cell_ub;   // column of each cell in the current ubatch, -1 when none
+    };
+
     bool is_exact(llama_pos key, llama_pos query, bool pinned) const;
-    void free_slot(uint32_t s);
-    void set_slot(uint32_t s, uint32_t cell, llama_pos pos, slot_kind kind);
-    float measure(const llama_kv_cache & kv, uint32_t s) const;
-    void pin_or_free(uint32_t s);
+    uint32_t n_rows() const { return n_slots() + 1; }
+    void free_slot(stream_map & m, uint32_t s);
+    void set_slot(stream_map & m, uint32_t s, uint32_t cell, llama_pos pos, slot_kind kind);
+    float measure(const llama_kv_cache & kv, uint32_t strm, uint32_t s) const;
+    void pin_or_free(stream_map & m, uint32_t s);
+    void apply_stream(const llama_kv_cache & kv, uint32_t strm, const std::vector<uint32_t> & cells_ub,
+                      const llama_ubatch & ubatch, uint32_t i0);
 
     llama_kvcomp_params params;
     uint32_t n_ubatch;
-    uint32_t pin_budget; // cells
+    uint32_t n_slots_stream;
+    uint32_t pin_budget; // cells per stream
     uint64_t n_applied = 0;
     int64_t  n_merges = 0;
     int64_t  n_released = 0;
     int64_t  n_overflow = 0;
     float    evicted_err_max = 0.0f;
 
-    std::vector<int32_t>   slot_cell; // cell held by each slot, -1 when free
-    std::vector<llama_pos> slot_pos;  // position the cell had when its row was written
-    std::vector<slot_kind> slot_kinds;
-    std::vector<float>     slot_err;  // measured relative error (staged and pinned slots)
-    std::vector<int32_t>   cell_slot; // slot of each cell, -1 when none
-    std::vector<int32_t>   cell_ub;   // column of each cell in the current ubatch, -1 when none
-    std::vector<uint32_t>  ub_cells;  // cells of the current ubatch
+    std::vector<stream_map> maps;
+    std::vector<uint32_t>   ub_streams; // stream of each ubatch stream plane
+    uint32_t                ub_n_tokens = 0;
 
-    std::vector<ggml_tensor *> k_buf; // per cache layer: [n_embd_k_gqa, n_slots + 1] F16
+    std::vector<ggml_tensor *> k_buf; // per cache layer: [n_embd_k_gqa, (n_slots + 1) * n_stream] F16
     std::vector<ggml_tensor *> v_buf;
     std::vector<int32_t>       layer_of_il; // model layer -> index in k_buf/v_buf
 

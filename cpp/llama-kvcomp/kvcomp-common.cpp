@@ -4,6 +4,8 @@
 #include "common.h"
 #include "log.h"
 
+#include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -95,4 +97,50 @@ bool common_kvcomp_apply(llama_context * ctx, const common_params & params) {
         return false;
     }
     return true;
+}
+
+// llama-bench parses its own command line; the flags are the same common_args, applied to a
+// common_params of their own.
+static common_params & kvcomp_bench_params() {
+    static common_params params;
+    return params;
+}
+
+bool common_kvcomp_bench_arg(int argc, char ** argv, int & i, bool & invalid_param) {
+    for (const auto & opt : common_kvcomp_args()) {
+        if (std::strcmp(argv[i], opt.args[0]) != 0) {
+            continue;
+        }
+        if (++i >= argc) {
+            invalid_param = true;
+            return true;
+        }
+        try {
+            if (opt.handler_int) {
+                size_t end = 0;
+                const int v = std::stoi(argv[i], &end);
+                if (argv[i][end] != '\0') {
+                    throw std::invalid_argument(std::string(opt.args[0]) + ": not a whole number: '" + argv[i] + "'");
+                }
+                opt.handler_int(kvcomp_bench_params(), v);
+            } else {
+                opt.handler_string(kvcomp_bench_params(), argv[i]);
+            }
+        } catch (const std::exception & e) {
+            fprintf(stderr, "error: %s\n", e.what());
+            invalid_param = true;
+        }
+        return true;
+    }
+    return false;
+}
+
+void common_kvcomp_bench_usage() {
+    for (const auto & opt : common_kvcomp_args()) {
+        printf("  %s <%s>\n      %s\n", opt.args[0], opt.value_hint, opt.help.c_str());
+    }
+}
+
+bool common_kvcomp_bench_apply(llama_context * ctx) {
+    return common_kvcomp_apply(ctx, kvcomp_bench_params());
 }

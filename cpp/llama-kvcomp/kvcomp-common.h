@@ -15,3 +15,10 @@ std::vector<common_arg> common_kvcomp_args();
 // Applies params.kvcomp to a freshly created context; logs the reason and returns false
 // when the combination is not supported.
 bool common_kvcomp_apply(llama_context * ctx, const common_params & params);
+
+// The same flags in llama-bench, which has its own parser: consumes argv[i] (and its value)
+// when it is a --kv-comp-* flag and returns true; sets invalid_param on a bad value.
+bool common_kvcomp_bench_arg(int argc, char ** argv, int & i, bool & invalid_param);
+void common_kvcomp_bench_usage();
+// Applies the parsed flags to a context llama-bench created; false (reason logged) if refused.
+bool common_kvcomp_bench_apply(llama_context * ctx);

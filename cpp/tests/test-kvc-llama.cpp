@@ -34,7 +34,7 @@ struct ctx_ptr {
     ~ctx_ptr() { llama_free(ctx); }
 };
 
-llama_context * make_ctx(llama_model * model, ggml_type type, uint32_t n_seq_max = 1) {
+llama_context * make_ctx(llama_model * model, ggml_type type, uint32_t n_seq_max = 1, bool unified = true) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx           = 512;
     cp.n_batch         = 512;
@@ -45,7 +45,7 @@ llama_context * make_ctx(llama_model * model, ggml_type type, uint32_t n_seq_max
     cp.type_k          = type;
     cp.type_v          = type;
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
-    cp.kv_unified      = true;
+    cp.kv_unified      = unified;
     return llama_init_from_model(model, cp);
 }
 
@@ -221,8 +221,9 @@ llama_kvcomp_params buffer_params(int32_t window, int32_t sinks, int32_t merge_i
     return kp;
 }
 
-llama_context * make_buffered_ctx(llama_model * model, const llama_kvcomp_params & kp, uint32_t n_seq_max = 1) {
-    llama_context * ctx = make_ctx(model, GGML_TYPE_KVC4, n_seq_max);
+llama_context * make_buffered_ctx(llama_model * model, const llama_kvcomp_params & kp, uint32_t n_seq_max = 1,
+                                  bool unified = true) {
+    llama_context * ctx = make_ctx(model, GGML_TYPE_KVC4, n_seq_max, unified);
     if (ctx && llama_kvcomp_configure(ctx, &kp) != 0) {
         llama_free(ctx);
         return nullptr;
@@ -358,13 +359,14 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
     }
 
     // Sequences never see each other's rows: sequence 0's logits do not change when
-    // sequence 1, decoded in the same batches and cells, holds other tokens; merges happen
-    // during the generation.
-    {
+    // sequence 1, decoded in the same batches (and, unified, the same cells), holds other
+    // tokens; merges happen during the generation.
+    for (bool unified : { true, false }) {
+        const char * kvs = unified ? "unified" : "split";
         const llama_kvcomp_params kp = buffer_params(16, 2, 2);
         const int np = 100, ng = 24;
         auto run = [&](int seq1_from, llama_kvcomp_stats * st) {
-            ctx_ptr c{ make_buffered_ctx(model, kp, 2) };
+            ctx_ptr c{ make_buffered_ctx(model, kp, 2, unified) };
             std::vector<std::array<int, 3>> prompt;
             for (int i = 0; i < np; ++i) {
                 prompt.push_back({ toks[i], i, 0 });
@@ -384,22 +386,25 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
         const auto b = run(np + ng, &st_b);
         const bool ok = a.size() == 2 && b.size() == 2;
         rep.check(ok && a[0] == b[0] && kl_div(a[1], b[1]) > 1e-3,
-            "buffer: sequence 0 is bit-identical whatever sequence 1 holds (sequence 1 itself moves by KL %.2e)",
-            ok ? kl_div(a[1], b[1]) : 0.0);
-        rep.check(st_a.n_merges >= ng / 2 && st_a.n_overflow == 0, "buffer: %lld merges during the two-sequence generation, no overflow",
-            (long long) st_a.n_merges);
+            "buffer %s KV: sequence 0 is bit-identical whatever sequence 1 holds (sequence 1 itself moves by KL %.2e)",
+            kvs, ok ? kl_div(a[1], b[1]) : 0.0);
+        rep.check(st_a.n_merges >= ng / 2 && st_a.n_overflow == 0,
+            "buffer %s KV: %lld merges during the two-sequence generation, no overflow", kvs, (long long) st_a.n_merges);
     }
 
     const llama_kvcomp_params kp = buffer_params(32, 4);
 
-    // seq_cp: the copy shares the cells and their slots
-    {
-        ctx_ptr c{ make_buffered_ctx(model, kp, 2) };
+    // seq_cp: unified, the copy shares the cells and their slots; split, the stream is
+    // copied with its slots
+    for (bool unified : { true, false }) {
+        ctx_ptr c{ make_buffered_ctx(model, kp, 2, unified) };
         decode(c.ctx, toks, 0, 64, 64, 0);
         llama_memory_seq_cp(llama_get_memory(c.ctx), 0, 1, -1, -1);
         const auto l1 = decode(c.ctx, toks, 64, 65, 1, 1);
         const auto l0 = decode(c.ctx, toks, 64, 65, 1, 0);
-        rep.check(!l0.empty() && rel_diff(l1, l0) <= 1e-5, "buffer: seq_cp copy continues like its source (%.2e)", rel_diff(l1, l0));
+        rep.check(!l0.empty() && l1 == l0 && stats_of(c.ctx).n_used >= (unified ? 36 : 2 * 36),
+            "buffer %s KV: seq_cp copy continues bit-identically to its source (%d slots used)",
+            unified ? "unified" : "split", stats_of(c.ctx).n_used);
     }
     // seq_rm + re-decode
     {

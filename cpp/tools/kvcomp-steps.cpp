@@ -1,0 +1,101 @@
+// Per-step decode latency with the residual buffer, for the merge-cost measurement of issue 3:
+// fills the context to a depth, then decodes single tokens and times each step, sorting the
+// steps by whether the buffer ran a merge pass in them. Prints one JSON object.
+//
+// Usage: llama-kvcomp-steps -m MODEL -c CTX -n N_GEN [-ctk T -ctv T -fa on -t N --kv-comp-...]
+// The context is filled to CTX - N_GEN - 1 tokens first. Common flags apply as in llama-cli.
+
+#include "arg.h"
+#include "common.h"
+#include "llama-kvcomp.h"
+#include "log.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+static double percentile(std::vector<double> v, double p) {
+    if (v.empty()) {
+        return 0.0;
+    }
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, (size_t) (p * (v.size() - 1) + 0.5))];
+}
+
+int main(int argc, char ** argv) {
+    common_params params;
+    params.n_predict = 64;
+    if (!common_params_parse(argc, argv, params, LLAMA_EXAMPLE_COMMON)) {
+        return 1;
+    }
+    common_init();
+    llama_backend_init();
+
+    auto init = common_init_from_params(params);
+    llama_context * ctx = init->context();
+    if (!ctx) {
+        LOG_ERR("failed to create the context\n");
+        return 1;
+    }
+    const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
+    const int n_vocab = llama_vocab_n_tokens(vocab);
+    const int n_gen   = std::max(1, params.n_predict);
+    const int depth   = (int) llama_n_ctx(ctx) - n_gen - 1;
+    if (depth < 0) {
+        LOG_ERR("-c must exceed -n\n");
+        return 1;
+    }
+
+    // any fixed token sequence: the content does not change the work per step
+    auto token_at = [&](int i) { return (llama_token) (1000 + (i * 7919) % (n_vocab - 1000)); };
+    const int n_batch = (int) llama_n_batch(ctx);
+    llama_batch batch = llama_batch_init(n_batch, 0, 1);
+    auto fill = [&](int p0, int p1) {
+        batch.n_tokens = p1 - p0;
+        for (int i = p0; i < p1; ++i) {
+            batch.token[i - p0]     = token_at(i);
+            batch.pos[i - p0]       = i;
+            batch.n_seq_id[i - p0]  = 1;
+            batch.seq_id[i - p0][0] = 0;
+            batch.logits[i - p0]    = i == p1 - 1;
+        }
+        return llama_decode(ctx, batch) == 0;
+    };
+    for (int p = 0; p < depth; p += n_batch) {
+        if (!fill(p, std::min(depth, p + n_batch))) {
+            LOG_ERR("decode failed while filling the context\n");
+            return 1;
+        }
+    }
+
+    std::vector<double> all, with_merge, without_merge;
+    llama_kvcomp_stats st = {};
+    const bool buffered = llama_kvcomp_get_stats(ctx, &st) == 0;
+    for (int i = 0; i < n_gen; ++i) {
+        const int64_t merges_before = st.n_merges;
+        const int64_t t0 = ggml_time_us();
+        if (!fill(depth + i, depth + i + 1)) {
+            LOG_ERR("decode failed at step %d\n", i);
+            return 1;
+        }
+        llama_synchronize(ctx);
+        const double ms = (ggml_time_us() - t0) / 1000.0;
+        all.push_back(ms);
+        if (buffered) {
+            llama_kvcomp_get_stats(ctx, &st);
+        }
+        (buffered && st.n_merges > merges_before ? with_merge : without_merge).push_back(ms);
+    }
+    llama_batch_free(batch);
+
+    double mean = 0.0;
+    for (double v : all) {
+        mean += v / all.size();
+    }
+    printf("{\"depth\": %d, \"n_gen\": %d, \"buffered\": %s, \"slots\": %d, \"mean_ms\": %.4f, \"p50_ms\": %.4f, "
+           "\"max_ms\": %.4f, \"n_merge_steps\": %zu, \"max_ms_merge\": %.4f, \"max_ms_no_merge\": %.4f}\n",
+           depth, n_gen, buffered ? "true" : "false", buffered ? st.n_slots : 0, mean, percentile(all, 0.5),
+           percentile(all, 1.0), with_merge.size(), percentile(with_merge, 1.0), percentile(without_merge, 1.0));
+    llama_backend_free();
+    return 0;
+}
