@@ -23,7 +23,7 @@ BITS_PER_ELEMENT: dict[str, float] = {
 KNOBS: dict[str, tuple[str, str]] = {
     "w": ("window", "--kv-comp-window"),
     "s": ("sinks", "--kv-comp-sinks"),
-    "n": ("merge_interval", "--kv-comp-merge-interval"),
+    "n": ("merge_interval", "--kv-comp-merge"),
     "p": ("pin_threshold", "--kv-comp-pin-threshold"),
     "b": ("pin_budget", "--kv-comp-pin-budget"),
 }
@@ -37,7 +37,7 @@ class KvConfig:
     type_v: str
     window: int = 0  # --kv-comp-window
     sinks: int = 0  # --kv-comp-sinks
-    merge_interval: int = 1  # --kv-comp-merge-interval
+    merge_interval: int = 1  # --kv-comp-merge
     pin_threshold: float = 0.0  # --kv-comp-pin-threshold
     pin_budget: float = 1.0  # --kv-comp-pin-budget (per cent of cells)
 

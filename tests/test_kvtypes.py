@@ -34,7 +34,7 @@ def test_parse_pin_and_merge_knobs() -> None:
     assert (cfg.merge_interval, cfg.pin_threshold, cfg.pin_budget) == (4, 0.25, 2.5)
     assert cfg.label == "kvc3:w16:n4:p0.25:b2.5"
     assert cfg.tool_args()[4:] == [
-        "--kv-comp-window", "16", "--kv-comp-merge-interval", "4",
+        "--kv-comp-window", "16", "--kv-comp-merge", "4",
         "--kv-comp-pin-threshold", "0.25", "--kv-comp-pin-budget", "2.5",
     ]
     assert KvConfig.parse("kvc4:p0.1").buffered

@@ -182,7 +182,7 @@ def test_residual_buffer_lowers_kld(model: Path, text: Path) -> None:
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["-fa", "on", "--kv-comp-window", "-1"], "--kv-comp-window: the window must be >= 0"),
-    (["-fa", "on", "--kv-comp-merge-interval", "0"], "--kv-comp-merge-interval: the merge interval must be >= 1"),
+    (["-fa", "on", "--kv-comp-merge", "0"], "--kv-comp-merge: the merge interval must be >= 1"),
     (["-fa", "on", "--kv-comp-pin-budget", "150"], "--kv-comp-pin-budget: the pin budget must be a percentage"),
     (["-fa", "on", "--kv-comp-pin-threshold", "abc"], "--kv-comp-pin-threshold: not a number"),
     (["-fa", "off", "-ctk", "kvc4", "--kv-comp-window", "32"], "needs flash attention"),

@@ -52,12 +52,12 @@ std::vector<common_arg> common_kvcomp_args() {
         }
     ).set_env("LLAMA_ARG_KV_COMP_SINKS"));
     args.push_back(common_arg(
-        {"--kv-comp-merge-interval"}, "N",
+        {"--kv-comp-merge"}, "N",
         "kvcomp residual buffer: release the slots of tokens that left the window every N ubatches (default: 1)",
         [](common_params & params, int value) {
-            kvcomp_set(params, "--kv-comp-merge-interval", &llama_kvcomp_params::merge_interval, value);
+            kvcomp_set(params, "--kv-comp-merge", &llama_kvcomp_params::merge_interval, value);
         }
-    ).set_env("LLAMA_ARG_KV_COMP_MERGE_INTERVAL"));
+    ).set_env("LLAMA_ARG_KV_COMP_MERGE"));
     args.push_back(common_arg(
         {"--kv-comp-merge-at"}, "F",
         "kvcomp residual buffer: ... or as soon as this fraction of the slots is in use (default: 1.0)",

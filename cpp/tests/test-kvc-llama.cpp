@@ -379,12 +379,19 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
             }
             *st = stats_of(c.ctx);
             st->n_merges -= merges_before;
+            // seq_keep drops sequence 1 (and its slots); sequence 0 goes on
+            llama_memory_seq_keep(llama_get_memory(c.ctx), 0);
+            const auto kept = decode_multi(c.ctx, { { toks[np + ng], np + ng, 0 } });
+            if (!kept.empty()) {
+                last.push_back(kept[0]);
+            }
             return last;
         };
         llama_kvcomp_stats st_a, st_b;
         const auto a = run(n - np - ng, &st_a);
         const auto b = run(np + ng, &st_b);
-        const bool ok = a.size() == 2 && b.size() == 2;
+        const bool ok = a.size() == 3 && b.size() == 3;
+        rep.check(ok && a[2] == b[2], "buffer %s KV: after seq_keep(0), sequence 0 goes on bit-identically", unified ? "unified" : "split");
         rep.check(ok && a[0] == b[0] && kl_div(a[1], b[1]) > 1e-3,
             "buffer %s KV: sequence 0 is bit-identical whatever sequence 1 holds (sequence 1 itself moves by KL %.2e)",
             kvs, ok ? kl_div(a[1], b[1]) : 0.0);
