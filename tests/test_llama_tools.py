@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ggml_kvcomp import perplexity, steps
-from ggml_kvcomp.kvtypes import BITS_PER_ELEMENT, KVC_TYPES, KvConfig
+from ggml_kvcomp.kvtypes import BITS_PER_ELEMENT, KNOBS, KVC_TYPES, KvConfig
 
 
 def _ppl_args(bins: Path, model: Path, text: Path, *extra: str) -> list[str]:
@@ -85,6 +85,15 @@ def test_llama_bench_accepts_kvc_types(bins: Path, model: Path) -> None:
     rows = json.loads(proc.stdout)
     assert rows[0]["type_k"] == "kvc3" and rows[0]["type_v"] == "kvc3"
     assert rows[0]["avg_ts"] > 0
+
+
+@pytest.mark.parametrize("tool", ["llama-cli", "llama-server", "llama-perplexity", "llama-bench"])
+def test_every_tool_lists_the_buffer_flags(bins: Path, tool: str) -> None:
+    proc = subprocess.run([str(bins / tool), "--help"], capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    for knob in KNOBS.values():
+        assert knob[1] in out, f"{tool} --help lacks {knob[1]}"
+    assert "--kv-comp-merge-at" in out
 
 
 def test_llama_bench_runs_the_residual_buffer(bins: Path, model: Path) -> None:
