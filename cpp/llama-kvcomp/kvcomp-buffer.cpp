@@ -328,16 +328,17 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     // the ubatch's streams are consecutive, as upstream's views of the main cache assume
     ggml_tensor * sv = ggml_view_4d(ctx0, slots, ne0, ne1, n_slots(), ns,
             ggml_row_size(slots->type, ne0), slots->nb[1], slots->nb[1] * n_rows(), slots->nb[1] * n_rows() * s0);
-    ggml_tensor * res = ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F32), ggml_cast(ctx0, sv, GGML_TYPE_F32), 2);
+    ggml_tensor * exact = ggml_cast(ctx0, sv, GGML_TYPE_F32);
     if (cur) {
         const int64_t n_tps = cur->ne[1] / ns;
         ggml_tensor * uv = ggml_view_4d(ctx0, cur, ne0, ne1, n_tps, ns,
                 ggml_row_size(cur->type, ne0), cur->nb[1], cur->nb[1] * n_tps, 0);
-        res = ggml_concat(ctx0, res, ggml_cast(ctx0, uv, GGML_TYPE_F32), 2);
+        exact = ggml_concat(ctx0, exact, ggml_cast(ctx0, uv, GGML_TYPE_F32), 2);
     }
     written = nullptr;
     cur     = nullptr;
-    return res;
+    // the small exact part is joined first, so the main cells are copied once
+    return ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F32), exact, 2);
 }
 
 void llama_kvcomp_buffer::set_input_slot_idxs(int64_t * dst, const llama_kv_cache::slot_info & sinfo) const {
