@@ -183,7 +183,6 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const llama_kv_cache:
         std::fill(m.cell_ub.begin(), m.cell_ub.end(), -1);
     }
     ub_streams.assign(sinfo.strm.begin(), sinfo.strm.end());
-    ub_n_tokens = ubatch.n_tokens;
     ++n_applied;
     // the ubatch holds the same number of tokens for each of its streams, stream by stream
     for (size_t s = 0; s < sinfo.n_stream(); ++s) {
@@ -465,15 +464,12 @@ ggml_tensor * llama_kvcomp_buffer::build_shift(const llama_kv_cache & kv, ggml_c
 
 void llama_kvcomp_buffer::copy_stream(uint32_t ssrc, uint32_t sdst) {
     std::vector<uint8_t> tmp;
-    for (ggml_tensor * t : k_buf) {
-        tmp.resize(t->nb[1] * n_rows());
-        ggml_backend_tensor_get(t, tmp.data(), t->nb[1] * n_rows() * ssrc, tmp.size());
-        ggml_backend_tensor_set(t, tmp.data(), t->nb[1] * n_rows() * sdst, tmp.size());
-    }
-    for (ggml_tensor * t : v_buf) {
-        tmp.resize(t->nb[1] * n_rows());
-        ggml_backend_tensor_get(t, tmp.data(), t->nb[1] * n_rows() * ssrc, tmp.size());
-        ggml_backend_tensor_set(t, tmp.data(), t->nb[1] * n_rows() * sdst, tmp.size());
+    for (const auto * bufs : { &k_buf, &v_buf }) {
+        for (ggml_tensor * t : *bufs) {
+            tmp.resize(t->nb[1] * n_rows());
+            ggml_backend_tensor_get(t, tmp.data(), t->nb[1] * n_rows() * ssrc, tmp.size());
+            ggml_backend_tensor_set(t, tmp.data(), t->nb[1] * n_rows() * sdst, tmp.size());
+        }
     }
     maps[sdst] = maps[ssrc];
 }

@@ -120,7 +120,6 @@ private:
 
     std::vector<stream_map> maps;
     std::vector<uint32_t>   ub_streams; // stream of each ubatch stream plane
-    uint32_t                ub_n_tokens = 0;
 
     std::vector<ggml_tensor *> k_buf; // per cache layer: [n_embd_k_gqa, (n_slots + 1) * n_stream] F16
     std::vector<ggml_tensor *> v_buf;

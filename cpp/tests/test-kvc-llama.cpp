@@ -77,6 +77,27 @@ std::vector<float> decode(llama_context * ctx, const std::vector<llama_token> & 
     return out;
 }
 
+llama_kvcomp_stats stats_of(llama_context * ctx) {
+    llama_kvcomp_stats st = {};
+    llama_kvcomp_get_stats(ctx, &st);
+    return st;
+}
+
+// Decodes toks[0, n) in pieces of `chunk` into a fresh context, which it then frees; the
+// buffer's stats after the prompt go to *st.
+std::vector<float> decode_fresh(llama_context * ctx, const std::vector<llama_token> & toks, int n, int chunk,
+                                llama_kvcomp_stats * st = nullptr) {
+    ctx_ptr c{ ctx };
+    if (!c.ctx) {
+        return {};
+    }
+    std::vector<float> out = decode(c.ctx, toks, 0, n, chunk);
+    if (st) {
+        *st = stats_of(c.ctx);
+    }
+    return out;
+}
+
 double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
     if (a.empty() || a.size() != b.size()) {
         return INFINITY;
@@ -124,19 +145,9 @@ type_result test_type(report & rep, llama_model * model, const std::vector<llama
     const double split_bound = type == GGML_TYPE_F16 ? 5e-2 : 2e-3;
 
     // batched = sequential
-    std::vector<float> whole, by32, by1;
-    {
-        ctx_ptr c{ make_ctx(model, type) };
-        whole = decode(c.ctx, toks, 0, N_PROMPT, N_PROMPT);
-    }
-    {
-        ctx_ptr c{ make_ctx(model, type) };
-        by32 = decode(c.ctx, toks, 0, N_PROMPT, 32);
-    }
-    {
-        ctx_ptr c{ make_ctx(model, type) };
-        by1 = decode(c.ctx, toks, 0, N_PROMPT, 1);
-    }
+    const std::vector<float> whole = decode_fresh(make_ctx(model, type), toks, N_PROMPT, N_PROMPT);
+    const std::vector<float> by32  = decode_fresh(make_ctx(model, type), toks, N_PROMPT, 32);
+    const std::vector<float> by1   = decode_fresh(make_ctx(model, type), toks, N_PROMPT, 1);
     rep.check(!whole.empty(), "%s decodes a %d-token prompt", tn, N_PROMPT);
     res.whole = whole;
     rep.check(rel_diff(by32, whole) <= split_bound, "%s ubatch 32 vs one ubatch: max rel logit diff %.2e <= %.0e",
@@ -231,12 +242,6 @@ llama_context * make_buffered_ctx(llama_model * model, const llama_kvcomp_params
     return ctx;
 }
 
-llama_kvcomp_stats stats_of(llama_context * ctx) {
-    llama_kvcomp_stats st = {};
-    llama_kvcomp_get_stats(ctx, &st);
-    return st;
-}
-
 // One decode of (token, pos, seq) triples, every one an output; logits per triple.
 std::vector<std::vector<float>> decode_multi(llama_context * ctx, const std::vector<std::array<int, 3>> & items) {
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
@@ -270,15 +275,8 @@ std::vector<std::vector<float>> decode_multi(llama_context * ctx, const std::vec
 // held to a quarter of the KL that quantization itself causes (plain kvc4 vs f16).
 void test_residual_buffer(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
     const int n = 300;
-    std::vector<float> f16, plain;
-    {
-        ctx_ptr c{ make_ctx(model, GGML_TYPE_F16) };
-        f16 = decode(c.ctx, toks, 0, n, n);
-    }
-    {
-        ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
-        plain = decode(c.ctx, toks, 0, n, n);
-    }
+    const std::vector<float> f16   = decode_fresh(make_ctx(model, GGML_TYPE_F16), toks, n, n);
+    const std::vector<float> plain = decode_fresh(make_ctx(model, GGML_TYPE_KVC4), toks, n, n);
     const double d_plain  = rel_diff(plain, f16);
     const double kl_plain = kl_div(f16, plain);
     const double kl_tol   = 0.25 * kl_plain;
@@ -307,42 +305,23 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
         rep.check(c.ctx && llama_kvcomp_configure(c.ctx, &kp) == -2, "buffer: refused without flash attention");
     }
     {
-        ctx_ptr c{ make_buffered_ctx(model, buffer_params(0, 0)) };
-        rep.check(c.ctx && decode(c.ctx, toks, 0, n, n) == plain, "buffer: window 0 without sinks or pins is the plain kvc4 cache, bit-exact");
+        const std::vector<float> w0 = decode_fresh(make_buffered_ctx(model, buffer_params(0, 0)), toks, n, n);
+        rep.check(!w0.empty() && w0 == plain, "buffer: window 0 without sinks or pins is the plain kvc4 cache, bit-exact");
     }
     {
-        ctx_ptr c{ make_buffered_ctx(model, buffer_params(512, 0)) };
-        const double d = rel_diff(decode(c.ctx, toks, 0, n, n), f16);
+        const double d = rel_diff(decode_fresh(make_buffered_ctx(model, buffer_params(512, 0)), toks, n, n), f16);
         rep.check(d <= 3e-2 && d < 0.5 * d_plain, "buffer: window >= context is f16: %.2e <= 3e-2 (plain kvc4 %.2e)", d, d_plain);
     }
 
     // batched = sequential, with merges (every 4 ubatches) inside the prompt
     for (const auto & ws : { std::array<int, 2>{ 0, 4 }, std::array<int, 2>{ 32, 0 }, std::array<int, 2>{ 128, 4 } }) {
         const llama_kvcomp_params kp = buffer_params(ws[0], ws[1], 4);
-        std::vector<float> whole, by64, by16, by8, by1;
         llama_kvcomp_stats st1 = {}, st8 = {};
-        {
-            ctx_ptr c{ make_buffered_ctx(model, kp) };
-            whole = decode(c.ctx, toks, 0, n, n);
-        }
-        {
-            ctx_ptr c{ make_buffered_ctx(model, kp) };
-            by64 = decode(c.ctx, toks, 0, n, 64);
-        }
-        {
-            ctx_ptr c{ make_buffered_ctx(model, kp) };
-            by16 = decode(c.ctx, toks, 0, n, 16);
-        }
-        {
-            ctx_ptr c{ make_buffered_ctx(model, kp) };
-            by8 = decode(c.ctx, toks, 0, n, 8);
-            st8 = stats_of(c.ctx);
-        }
-        {
-            ctx_ptr c{ make_buffered_ctx(model, kp) };
-            by1 = decode(c.ctx, toks, 0, n, 1);
-            st1 = stats_of(c.ctx);
-        }
+        const std::vector<float> whole = decode_fresh(make_buffered_ctx(model, kp), toks, n, n);
+        const std::vector<float> by64  = decode_fresh(make_buffered_ctx(model, kp), toks, n, 64);
+        const std::vector<float> by16  = decode_fresh(make_buffered_ctx(model, kp), toks, n, 16);
+        const std::vector<float> by8   = decode_fresh(make_buffered_ctx(model, kp), toks, n, 8, &st8);
+        const std::vector<float> by1   = decode_fresh(make_buffered_ctx(model, kp), toks, n, 1, &st1);
         if (ws[0] == 0) {
             // only sinks: every split puts the same keys in the same order
             rep.check(!by8.empty() && by16 == by8, "buffer W=%d S=%d: ubatches of 16 and of 8 are bit-identical", ws[0], ws[1]);
@@ -522,9 +501,8 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
         llama_kvcomp_params pk = buffer_params(0, 0);
         pk.pin_threshold = 1e-4f;
         pk.pin_budget    = 100.0f;
-        ctx_ptr c{ make_buffered_ctx(model, pk) };
-        const double d = rel_diff(decode(c.ctx, toks, 0, n, 1), f16);
-        const llama_kvcomp_stats st = stats_of(c.ctx);
+        llama_kvcomp_stats st = {};
+        const double d = rel_diff(decode_fresh(make_buffered_ctx(model, pk), toks, n, 1, &st), f16);
         rep.check(d <= 3e-2 && d < 0.5 * d_plain, "buffer pins: every token pinned is f16: %.2e <= 3e-2 (plain kvc4 %.2e)", d, d_plain);
         rep.check(st.n_pinned == n - 1, "buffer pins: %d of %d tokens pinned", st.n_pinned, n - 1);
     }
@@ -532,9 +510,8 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
         llama_kvcomp_params pk = buffer_params(8, 0);
         pk.pin_threshold = 1e-4f;
         pk.pin_budget    = 5.0f;
-        ctx_ptr c{ make_buffered_ctx(model, pk) };
-        decode(c.ctx, toks, 0, n, 16);
-        const llama_kvcomp_stats st = stats_of(c.ctx);
+        llama_kvcomp_stats st = {};
+        decode_fresh(make_buffered_ctx(model, pk), toks, n, 16, &st);
         rep.check(st.n_pinned == st.n_pin_budget && st.n_pin_budget == 26, "buffer pins: the budget (%d cells) caps the pins (%d)",
             st.n_pin_budget, st.n_pinned);
         rep.check(st.pin_err_min >= st.evicted_err_max && st.evicted_err_max > 0.0f,
