@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
+
+from .capi import MODE_NAMES, ModeName, mode_preset
 
 UpstreamType = Literal["f16", "q8_0", "q4_0", "iq4_nl"]
 KvcType = Literal["kvc8", "kvc4", "kvc3", "kvc2"]
@@ -26,6 +28,7 @@ KNOBS: dict[str, tuple[str, str]] = {
     "n": ("merge_interval", "--kv-comp-merge"),
     "p": ("pin_threshold", "--kv-comp-pin-threshold"),
     "b": ("pin_budget", "--kv-comp-pin-budget"),
+    "t": ("tracker", "--kv-comp-tracker"),
 }
 
 
@@ -40,6 +43,8 @@ class KvConfig:
     merge_interval: int = 1  # --kv-comp-merge
     pin_threshold: float = 0.0  # --kv-comp-pin-threshold
     pin_budget: float = 1.0  # --kv-comp-pin-budget (per cent of cells)
+    tracker: int = 0  # --kv-comp-tracker (1 on)
+    mode: ModeName | None = None  # --kv-comp; the knobs above then start from its preset
 
     def __post_init__(self) -> None:
         for t in (self.type_k, self.type_v):
@@ -51,16 +56,31 @@ class KvConfig:
             raise ValueError("the merge interval must be >= 1")
         if self.pin_threshold < 0 or not 0 <= self.pin_budget <= 100:
             raise ValueError("the pin threshold must be >= 0 and the pin budget in [0, 100]")
+        if self.tracker not in (0, 1):
+            raise ValueError("the tracker is 1 (on) or 0 (off)")
+        if self.mode is not None and self.mode not in MODE_NAMES:
+            raise ValueError(f"unknown mode {self.mode!r}; known: {', '.join(MODE_NAMES)}")
+
+    def _base(self) -> KvConfig:
+        """What the knobs are measured against: the mode's preset, or everything off."""
+        if self.mode is None:
+            return KvConfig(self.type_k, self.type_v)
+        p = mode_preset(self.mode)
+        return KvConfig(p.type_k, p.type_v, p.window, p.sinks, p.merge_interval, p.pin_threshold, p.pin_budget,
+                        int(p.tracker), self.mode)
 
     def _knobs(self) -> list[tuple[str, str, float]]:
-        """(letter, flag, value) of every knob that differs from its default."""
-        defaults = KvConfig(self.type_k, self.type_v)
+        """(letter, flag, value) of every knob that differs from its base."""
+        base = self._base()
         return [(letter, flag, getattr(self, field)) for letter, (field, flag) in KNOBS.items()
-                if getattr(self, field) != getattr(defaults, field)]
+                if getattr(self, field) != getattr(base, field)]
 
     @property
     def label(self) -> str:
-        base = self.type_k if self.type_k == self.type_v else f"{self.type_k}/{self.type_v}"
+        if self.mode is not None:
+            base = self.mode
+        else:
+            base = self.type_k if self.type_k == self.type_v else f"{self.type_k}/{self.type_v}"
         return base + "".join(f":{letter}{value:g}" for letter, _, value in self._knobs())
 
     @property
@@ -68,18 +88,23 @@ class KvConfig:
         return self.window > 0 or self.sinks > 0 or self.pin_threshold > 0
 
     def tool_args(self) -> list[str]:
+        # llama-bench takes cache types from -ctk/-ctv only, so a mode's are passed as well
         args = ["-ctk", self.type_k, "-ctv", self.type_v]
+        if self.mode is not None:
+            args += ["--kv-comp", self.mode]
         for _, flag, value in self._knobs():
             args += [flag, f"{value:g}"]
         return args
 
     @classmethod
     def parse(cls, spec: str) -> KvConfig:
-        """'kvc4' means K and V kvc4; 'kvc8/kvc4' means K kvc8, V kvc4. Buffer knobs follow
-        as ':<letter><value>': w window, s sinks, n merge interval, p pin threshold,
-        b pin budget (per cent), e.g. 'kvc4:w32:s4' or 'kvc4:w32:p0.2:b2'."""
+        """'kvc4' means K and V kvc4; 'kvc8/kvc4' means K kvc8, V kvc4; a mode name
+        ('balanced') means its preset. Knobs follow as ':<letter><value>': w window, s sinks,
+        n merge interval, p pin threshold, b pin budget (per cent), t tracker (0/1), e.g.
+        'kvc4:w32:s4', 'kvc4:w32:p0.2:b2' or 'balanced:w64'."""
         types, *knobs = spec.split(":")
         k, _, v = types.partition("/")
+        base = cls(k, v or k) if k not in MODE_NAMES else cls("f16", "f16", mode=k)._base()  # type: ignore[arg-type]
         values: dict[str, float] = {}
         for knob in knobs:
             letter, text = knob[:1], knob[1:]
@@ -91,13 +116,13 @@ class KvConfig:
                 raise ValueError(f"bad knob {knob!r} in {spec!r}: expected one of "
                                  f"{', '.join(letter + '<N>' for letter in KNOBS)}")
             field = KNOBS[letter][0]
-            if field in ("window", "sinks", "merge_interval"):
+            if field in ("window", "sinks", "merge_interval", "tracker"):
                 if not text.isdigit():
                     raise ValueError(f"bad knob {knob!r} in {spec!r}: {field} takes a whole number")
                 values[field] = int(text)
             else:
                 values[field] = value
-        return cls(k, v or k, **values)  # type: ignore[arg-type]
+        return replace(base, **values)
 
 
 # The side-by-side set of the foundation run: upstream references first.

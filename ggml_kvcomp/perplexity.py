@@ -40,6 +40,9 @@ class KldResult:
     kld_mean_err: float
     kld_p99: float
     same_top_p: float
+    # K round-trip RMSE the scale tracker measured, with its offset and without (0: no tracker)
+    k_rmse: float = 0.0
+    k_rmse_plain: float = 0.0
 
     @property
     def bpe(self) -> float:
@@ -106,14 +109,29 @@ def parse_kv_bpe(log: str) -> tuple[float, float]:
     return (float(m.group(3)) * mib / (cells * layers * n_k), float(m.group(4)) * mib / (cells * layers * n_v))
 
 
-def parse_buffer_bpe(log: str, ctx: int) -> float:
-    """Bits per cached element that the residual buffer adds: F16 slots spread over the cells
-    of all streams (ctx in all)."""
-    m = re.search(r"kvcomp: residual buffer: .*?(\d+) streams of (\d+) slots", log)
-    return 16.0 * int(m.group(1)) * int(m.group(2)) / ctx if m else 0.0
+def parse_buffer_bpe(log: str, main_bpe: float) -> float:
+    """Bits per cached element that the residual buffer adds, from the 'kvcomp: KV memory'
+    lines (one per cache; two for a sliding-window model): buffer MiB over main MiB, times
+    the main cache's bits per element."""
+    lines = re.findall(r"kvcomp: KV memory: main cache ([\d.]+) MiB .*?residual buffer ([\d.]+) MiB", log)
+    main = sum(float(m) for m, _ in lines)
+    buf = sum(float(b) for _, b in lines)
+    return buf / main * main_bpe if main > 0 else 0.0
 
 
-def parse_kld(label: str, cfg: KvConfig, log: str, ctx: int) -> KldResult:
+def parse_tracker_rmse(log: str) -> tuple[float, float]:
+    """(RMSE, RMSE without offset) over every 'kvcomp: tracker:' line (one per cache),
+    weighted by the rows each measured."""
+    lines = re.findall(r"kvcomp: tracker: K rows measured = (\d+), RMSE = ([\d.]+), RMSE without offset = ([\d.]+)", log)
+    n = sum(int(r) for r, _, _ in lines)
+    if n == 0:
+        return 0.0, 0.0
+    mse = sum(int(r) * float(a) ** 2 for r, a, _ in lines) / n
+    mse_plain = sum(int(r) * float(b) ** 2 for r, _, b in lines) / n
+    return mse ** 0.5, mse_plain ** 0.5
+
+
+def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
     kld = re.search(r"^Mean\s+KLD:\s*([\d.eE+-]+)\s*±\s*([\d.eE+-]+)", log, re.MULTILINE)
     if not kld:
         raise ValueError("llama-perplexity output lacks 'Mean KLD'")
@@ -123,7 +141,7 @@ def parse_kld(label: str, cfg: KvConfig, log: str, ctx: int) -> KldResult:
         type_v=cfg.type_v,
         bpe_k=BITS_PER_ELEMENT[cfg.type_k],
         bpe_v=BITS_PER_ELEMENT[cfg.type_v],
-        bpe_buffer=parse_buffer_bpe(log, ctx),
+        bpe_buffer=parse_buffer_bpe(log, (BITS_PER_ELEMENT[cfg.type_k] + BITS_PER_ELEMENT[cfg.type_v]) / 2),
         ppl=_number(r"^Mean PPL\(Q\)\s*:\s*([\d.]+)", log),
         ppl_base=_number(r"^Mean PPL\(base\)\s*:\s*([\d.]+)", log),
         ppl_ratio=_number(r"^Mean PPL\(Q\)/PPL\(base\)\s*:\s*([\d.]+)", log),
@@ -131,6 +149,8 @@ def parse_kld(label: str, cfg: KvConfig, log: str, ctx: int) -> KldResult:
         kld_mean_err=float(kld.group(2)),
         kld_p99=_number(r"^99\.0%\s+KLD:\s*([\d.eE+-]+)", log),
         same_top_p=_number(r"^Same top p:\s*([\d.]+)", log),
+        k_rmse=parse_tracker_rmse(log)[0],
+        k_rmse_plain=parse_tracker_rmse(log)[1],
     )
 
 
@@ -139,4 +159,4 @@ def run_kld(cfg: KvConfig, s: RunSettings) -> KldResult:
     fa = "on" if s.flash_attn else "off"
     log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", fa, *cfg.tool_args(),
                 "--kl-divergence-base", str(base), "--kl-divergence"])
-    return parse_kld(cfg.label, cfg, log, s.ctx)
+    return parse_kld(cfg.label, cfg, log)

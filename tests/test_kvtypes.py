@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from ggml_kvcomp import perplexity
+from ggml_kvcomp.capi import MODE_NAMES, mode_preset
 from ggml_kvcomp.kvtypes import ALL_TYPES, BITS_PER_ELEMENT, KvConfig
 
 
@@ -56,12 +57,37 @@ def test_every_type_has_a_size() -> None:
     assert set(BITS_PER_ELEMENT) == set(ALL_TYPES)
 
 
-@pytest.mark.parametrize(("line", "ctx", "bpe"), [
-    ("kvcomp: residual buffer: window = 32, sinks = 4, merge interval = 1, pin threshold = 0.000, "
-     "pin budget = 0 cells, 1 streams of 68 slots, 2.49 MiB", 512, 16.0 * 68 / 512),
-    ("kvcomp: residual buffer: window = 8, sinks = 2, merge interval = 1, pin threshold = 0.000, "
-     "pin budget = 0 cells, 4 streams of 18 slots, 2.49 MiB", 2048, 16.0 * 72 / 2048),
-    ("no buffer here", 512, 0.0),
+@pytest.mark.parametrize(("log", "bpe"), [
+    ("kvcomp: KV memory: main cache 6.75 MiB (4.00 bpe), residual buffer 0.75 MiB (0.44 bpe, 1 streams of 99 slots), "
+     "total 4.44 bpe", 4.0 * 0.75 / 6.75),
+    # a sliding-window model: two caches, the buffer counted over both
+    ("kvcomp: KV memory: main cache 6.00 MiB (4.00 bpe), residual buffer 1.00 MiB (0.67 bpe, 1 streams of 99 slots), "
+     "total 4.67 bpe\nkvcomp: KV memory: main cache 2.00 MiB (4.00 bpe), residual buffer 1.00 MiB (2.00 bpe, 1 streams "
+     "of 99 slots), total 6.00 bpe", 4.0 * 2.0 / 8.0),
+    ("no buffer here", 0.0),
 ])
-def test_buffer_bpe_counts_every_stream(line: str, ctx: int, bpe: float) -> None:
-    assert perplexity.parse_buffer_bpe(f"llama_context: ...\n{line}\n", ctx) == pytest.approx(bpe)
+def test_buffer_bpe_counts_every_cache(log: str, bpe: float) -> None:
+    assert perplexity.parse_buffer_bpe(f"llama_context: ...\n{log}\n", 4.0) == pytest.approx(bpe)
+
+
+@pytest.mark.parametrize("mode", MODE_NAMES)
+def test_mode_spec_round_trip(mode: str) -> None:
+    preset = mode_preset(mode)  # type: ignore[arg-type]
+    cfg = KvConfig.parse(mode)
+    assert cfg.label == mode
+    assert (cfg.type_k, cfg.type_v, cfg.window, cfg.sinks, cfg.merge_interval, bool(cfg.tracker)) == (
+        preset.type_k, preset.type_v, preset.window, preset.sinks, preset.merge_interval, preset.tracker)
+    assert cfg.tool_args() == ["-ctk", preset.type_k, "-ctv", preset.type_v, "--kv-comp", mode]
+
+
+def test_mode_spec_overrides() -> None:
+    cfg = KvConfig.parse("balanced:w64:t0")
+    assert cfg.label == "balanced:w64:t0"
+    assert cfg.tool_args()[-4:] == ["--kv-comp-window", "64", "--kv-comp-tracker", "0"]
+    assert KvConfig.parse("kvc4:t1").tool_args() == ["-ctk", "kvc4", "-ctv", "kvc4", "--kv-comp-tracker", "1"]
+
+
+@pytest.mark.parametrize("name", ["fast", "Balanced", "custom"])
+def test_unknown_mode_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        mode_preset(name)  # type: ignore[arg-type]

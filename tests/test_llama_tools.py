@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from ggml_kvcomp import perplexity, steps
+from ggml_kvcomp.capi import MODE_NAMES, mode_preset
 from ggml_kvcomp.kvtypes import BITS_PER_ELEMENT, KNOBS, KVC_TYPES, KvConfig
 
 
@@ -91,9 +92,8 @@ def test_llama_bench_accepts_kvc_types(bins: Path, model: Path) -> None:
 def test_every_tool_lists_the_buffer_flags(bins: Path, tool: str) -> None:
     proc = subprocess.run([str(bins / tool), "--help"], capture_output=True, text=True, timeout=60)
     out = proc.stdout + proc.stderr
-    for knob in KNOBS.values():
-        assert knob[1] in out, f"{tool} --help lacks {knob[1]}"
-    assert "--kv-comp-merge-at" in out
+    for flag in [knob[1] for knob in KNOBS.values()] + ["--kv-comp-merge-at", "--kv-comp ", "--kv-comp-ema"]:
+        assert flag in out, f"{tool} --help lacks {flag}"
 
 
 def test_llama_bench_runs_the_residual_buffer(bins: Path, model: Path) -> None:
@@ -102,7 +102,7 @@ def test_llama_bench_runs_the_residual_buffer(bins: Path, model: Path) -> None:
     proc = subprocess.run([*base, "-v", "--kv-comp-window", "16", "--kv-comp-sinks", "2"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "kvcomp: residual buffer: window = 16, sinks = 2" in proc.stderr
+    assert "kvcomp: window         = 16 (flag)" in proc.stderr and "kvcomp: sinks          = 2 (flag)" in proc.stderr
     assert json.loads(proc.stdout)[0]["avg_ts"] > 0
     bad = subprocess.run([*base, "--kv-comp-window", "-3"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0
@@ -186,7 +186,8 @@ def test_residual_buffer_lowers_kld(model: Path, text: Path) -> None:
     # the window holds the keys attention weighs most; measured ~4x lower on 16 chunks
     assert buffered.kld_mean < 0.5 * plain.kld_mean
     # slots: the window and sinks, plus the window's worth of new rows while a ubatch runs
-    assert buffered.bpe_buffer == pytest.approx(16.0 * (32 + 4 + 32) / 512)
+    # (one more row per stream is scratch, and the MiB figures are rounded)
+    assert buffered.bpe_buffer == pytest.approx(16.0 * (32 + 4 + 32 + 1) / 512, rel=0.02)
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -211,3 +212,63 @@ def test_steps_tool_sorts_steps_by_merges(model: Path) -> None:
     assert buffered.slots > 0
     assert 0 < buffered.n_merge_steps < 16
     assert buffered.max_ms_merge > 0 and buffered.max_ms_no_merge > 0
+
+
+def _log(proc: subprocess.CompletedProcess[str]) -> str:
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("mode", MODE_NAMES)
+def test_mode_sets_types_and_knobs(bins: Path, model: Path, text: Path, mode: str) -> None:
+    preset = mode_preset(mode)  # type: ignore[arg-type]
+    proc = subprocess.run(_ppl_args(bins, model, text, "--kv-comp", mode), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = _log(proc)
+    assert f"kvcomp: mode           = {mode}" in log
+    assert f"kvcomp: type_k         = {preset.type_k}" in log and f"kvcomp: type_v         = {preset.type_v}" in log
+    assert f"kvcomp: window         = {preset.window} ({mode})" in log
+    assert f"kvcomp: tracker        = {'on' if preset.tracker else 'off'} ({mode})" in log
+    if preset.tracker or preset.window:
+        # the memory line splits main cache and buffer
+        assert "kvcomp: KV memory: main cache" in log
+        assert ("residual buffer 0.00 MiB" in log) == (preset.window == 0)
+
+
+@pytest.mark.parametrize(("args", "expect"), [
+    # an explicit knob wins whatever its place on the command line
+    (["--kv-comp-window", "64", "--kv-comp", "balanced"], "kvcomp: window         = 64 (flag)"),
+    (["--kv-comp", "balanced", "--kv-comp-window", "64"], "kvcomp: window         = 64 (flag)"),
+    # so does an explicit cache type
+    (["-ctk", "q8_0", "--kv-comp", "low-latency"], "kvcomp: type_k         = q8_0"),
+    (["--kv-comp", "low-latency", "-ctk", "q8_0"], "kvcomp: type_k         = q8_0"),
+    (["--kv-comp", "low-latency", "--kv-comp-tracker", "off"], "kvcomp: tracker        = off (flag)"),
+    (["--kv-comp", "high-precision", "--kv-comp-ema", "0.3"], "kvcomp: ema            = 0.300,0.300 (flag)"),
+])
+def test_mode_precedence(bins: Path, model: Path, text: Path, args: list[str], expect: str) -> None:
+    proc = subprocess.run(_ppl_args(bins, model, text, *args), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert expect in _log(proc)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--kv-comp", "fast"], "--kv-comp: unknown mode 'fast'"),
+    (["--kv-comp", "custom"], "--kv-comp: unknown mode 'custom'"),
+    (["--kv-comp", "balanced", "--kv-comp-ema", "0"], "--kv-comp-ema: the EMA weights must be in (0, 1]"),
+    (["--kv-comp", "balanced", "--kv-comp-ema", "0.1,1.5"], "--kv-comp-ema: the EMA weights must be in (0, 1]"),
+    (["--kv-comp-tracker", "maybe"], "--kv-comp-tracker: expected on or off"),
+    (["--kv-comp", "balanced", "-fa", "off"], "flash"),
+])
+def test_mode_bad_combinations_are_refused(bins: Path, model: Path, text: Path, extra: list[str], message: str) -> None:
+    proc = subprocess.run(_ppl_args(bins, model, text, *extra), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in _log(proc)
+
+
+def test_llama_bench_mode_needs_its_types(bins: Path, model: Path) -> None:
+    base = [str(bins / "llama-bench"), "-m", str(model), "-fa", "1", "-p", "0", "-n", "4", "-r", "1", "-t", "2", "-o", "json"]
+    ok = subprocess.run([*base, *KvConfig.parse("balanced").tool_args()], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads(ok.stdout)[0]["avg_ts"] > 0
+    bad = subprocess.run([*base, "--kv-comp", "balanced"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    assert "--kv-comp balanced runs on -ctk kvc4 -ctv kvc3" in _log(bad)

@@ -14,10 +14,11 @@
 
 // "KVCB": the buffer's part of a state, after upstream's cells
 static constexpr uint32_t KVCOMP_STATE_MAGIC   = 0x4243564b;
-static constexpr uint32_t KVCOMP_STATE_VERSION = 1;
+static constexpr uint32_t KVCOMP_STATE_VERSION = 2;
 
-llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max)
-    : params(params), n_ubatch(n_ubatch) {
+llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max,
+                                         std::shared_ptr<llama_kvcomp_tracker> tracker)
+    : params(params), buffered(wants_slots(params)), n_ubatch(n_ubatch), tracker(std::move(tracker)) {
     const uint32_t kv_size = kv.get_size();
     const uint32_t n_seq   = kv.n_stream > 1 ? 1 : n_seq_max; // sequences per stream
     pin_budget = params.pin_threshold > 0.0f ? (uint32_t) std::ceil(params.pin_budget / 100.0f * kv_size) : 0;
@@ -29,7 +30,7 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     // have their budget.
     const uint32_t n_window = n_seq * (uint32_t) (params.window + params.sinks + params.merge_interval - 1);
     const uint32_t n_new    = params.pin_threshold > 0.0f ? n_ubatch : std::min(n_seq * (uint32_t) params.window, n_ubatch);
-    n_slots_stream = n_window + n_new + pin_budget;
+    n_slots_stream = buffered ? n_window + n_new + pin_budget : 0;
 
     maps.resize(kv.n_stream);
     for (auto & m : maps) {
@@ -74,10 +75,17 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     }
     ggml_backend_buffer_clear(buf, 0);
 
-    LLAMA_LOG_INFO("kvcomp: residual buffer: window = %d, sinks = %d, merge interval = %d, pin threshold = %.3f, "
-            "pin budget = %u cells, %u streams of %u slots, %.2f MiB\n",
-            params.window, params.sinks, params.merge_interval, params.pin_threshold, pin_budget, kv.n_stream,
-            n_slots_stream, ggml_backend_buffer_get_size(buf) / (1024.0 * 1024.0));
+    // bits per K/V element: the main cache's, and what the buffer adds to them
+    size_t main_bytes = 0;
+    double n_elem = 0.0;
+    for (const auto & l : kv.layers) {
+        main_bytes += ggml_nbytes(l.k) + ggml_nbytes(l.v);
+        n_elem += (double) (l.k->ne[0] + l.v->ne[0]) * kv_size * kv.n_stream;
+    }
+    const size_t buf_bytes = buffered ? ggml_backend_buffer_get_size(buf) : 0;
+    LLAMA_LOG_INFO("kvcomp: KV memory: main cache %.2f MiB (%.2f bpe), residual buffer %.2f MiB (%.2f bpe, %u streams of %u slots), "
+            "total %.2f bpe\n", main_bytes / (1024.0 * 1024.0), 8.0 * main_bytes / n_elem, buf_bytes / (1024.0 * 1024.0),
+            8.0 * buf_bytes / n_elem, kv.n_stream, n_slots_stream, 8.0 * (main_bytes + buf_bytes) / n_elem);
 }
 
 llama_kvcomp_buffer::~llama_kvcomp_buffer() {
@@ -106,6 +114,9 @@ void llama_kvcomp_buffer::set_slot(stream_map & m, uint32_t s, uint32_t cell, ll
 }
 
 uint32_t llama_kvcomp_buffer::n_main(uint32_t n_kv, uint32_t kv_size, int32_t il, bool is_k) const {
+    if (!buffered) {
+        return n_kv;
+    }
     const ggml_tensor * cur = (is_k ? k_cur : v_cur)[layer_of_il[il]];
     const uint32_t n_streams = ub_streams.empty() ? 1 : (uint32_t) ub_streams.size();
     const uint32_t extra = n_extra(cur ? (uint32_t) cur->ne[1] / n_streams : 0);
@@ -179,6 +190,23 @@ void llama_kvcomp_buffer::pin_or_free(stream_map & m, uint32_t s) {
 }
 
 void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ubatch) {
+    if (tracker) {
+        // the ubatch's cells in token order; it is alone in the cache when nothing else is used
+        std::vector<uint64_t> cells;
+        uint32_t n_used = 0;
+        for (size_t s = 0; s < sinfo.n_stream(); ++s) {
+            for (uint32_t c : sinfo.idxs[s]) {
+                cells.push_back((uint64_t) sinfo.strm[s] * kv.get_size() + c);
+            }
+        }
+        for (const auto & cells_strm : kv.v_cells) {
+            n_used += cells_strm.get_used();
+        }
+        tracker->update(cells, n_used <= cells.size());
+    }
+    if (!buffered) {
+        return;
+    }
     for (auto & m : maps) {
         std::fill(m.cell_ub.begin(), m.cell_ub.end(), -1);
     }
@@ -307,13 +335,21 @@ ggml_tensor * llama_kvcomp_buffer::cpy(ggml_context * ctx0, ggml_tensor * cache,
     ggml_tensor * idx_slot = ggml_view_1d(ctx0, idxs, n_tokens, n_tokens * ggml_element_size(idxs));
 
     const int32_t ib = layer_of_il[il];
-    (is_k ? k_written : v_written)[ib] = ggml_set_rows(ctx0, (is_k ? k_buf : v_buf)[ib], cur, idx_slot);
-    (is_k ? k_cur : v_cur)[ib] = cur;
+    if (tracker) {
+        cur = tracker->transform(ctx0, cur, ib, is_k);
+    }
+    if (buffered) {
+        (is_k ? k_written : v_written)[ib] = ggml_set_rows(ctx0, (is_k ? k_buf : v_buf)[ib], cur, idx_slot);
+        (is_k ? k_cur : v_cur)[ib] = cur;
+    }
 
     return ggml_set_rows(ctx0, cache, cur, idx_main);
 }
 
 ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_view, int32_t il, bool is_k) const {
+    if (!buffered) {
+        return main_view;
+    }
     const int32_t ib  = layer_of_il[il];
     const int64_t ne0 = main_view->ne[0];
     const int64_t ne1 = main_view->ne[1];
@@ -353,6 +389,16 @@ void llama_kvcomp_buffer::set_input_slot_idxs(int64_t * dst, const llama_kv_cach
 
 void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tensor * dst, const llama_ubatch * ubatch,
                                             const std::function<void(float *, int64_t)> & fill_main) const {
+    if (!buffered) {
+        std::vector<float> main(ggml_nelements(dst));
+        fill_main(main.data(), dst->ne[0]);
+        if (dst->type == GGML_TYPE_F16) {
+            ggml_fp32_to_fp16_row(main.data(), (ggml_fp16_t *) dst->data, (int64_t) main.size());
+        } else {
+            std::copy(main.begin(), main.end(), (float *) dst->data);
+        }
+        return;
+    }
     const int64_t n_kv   = dst->ne[0];
     const int64_t n_ps   = (int64_t) ub_streams.size();
     const int64_t n_tps  = ubatch->n_tokens / n_ps;
@@ -441,6 +487,31 @@ ggml_tensor * llama_kvcomp_buffer::build_input_shift(const llama_kv_cache & kv, 
     return shift_input;
 }
 
+// Stored K rows (a [n_rot, n_head_kv, n_rows] view) moved by RoPE: put the offset back,
+// unrotate, RoPE in F32 (upstream's own shift of an unquantized cache), rotate, remove the
+// offset, store.
+ggml_tensor * llama_kvcomp_buffer::shift_rows(const llama_kv_cache & kv, ggml_context * ctx0, const llama_cparams & cparams,
+                                              ggml_tensor * view, ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors,
+                                              float freq_base, float freq_scale, uint32_t il) const {
+    const int32_t ib = layer_of_il[il];
+    ggml_tensor * tmp = ggml_cast(ctx0, view, GGML_TYPE_F32);
+    tmp = tracker ? tracker->add_offset(ctx0, tmp, ib, 1.0f) : tmp;
+    tmp = rot ? llama_mul_mat_hadamard(ctx0, tmp, rot) : tmp;
+    tmp = kv.build_rope_shift(cparams, ctx0, tmp, shift, nullptr, factors, freq_base, freq_scale, il);
+    tmp = rot ? llama_mul_mat_hadamard(ctx0, tmp, rot) : tmp;
+    tmp = tracker ? tracker->add_offset(ctx0, tmp, ib, -1.0f) : tmp;
+    return ggml_cpy(ctx0, tmp, view);
+}
+
+ggml_tensor * llama_kvcomp_buffer::build_shift_main(const llama_kv_cache & kv, ggml_context * ctx0, const llama_cparams & cparams,
+                                                    ggml_tensor * k_view, ggml_tensor * shift, ggml_tensor * rot,
+                                                    ggml_tensor * factors, float freq_base, float freq_scale, uint32_t il) const {
+    if (!tracker) {
+        return kv.build_rope_shift(cparams, ctx0, k_view, shift, rot, factors, freq_base, freq_scale, il);
+    }
+    return shift_rows(kv, ctx0, cparams, k_view, shift, rot, factors, freq_base, freq_scale, il);
+}
+
 ggml_tensor * llama_kvcomp_buffer::build_shift(const llama_kv_cache & kv, ggml_context * ctx0, const llama_cparams & cparams,
                                                ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors,
                                                float freq_base, float freq_scale, uint32_t il) const {
@@ -452,14 +523,7 @@ ggml_tensor * llama_kvcomp_buffer::build_shift(const llama_kv_cache & kv, ggml_c
     const int64_t n_embd_nope = hparams.n_lora_kv > 0 ? n_embd_head - n_rot : 0;
     ggml_tensor * view = ggml_view_3d(ctx0, slots, n_rot, hparams.n_head_kv(il), slots->ne[1],
             ggml_row_size(slots->type, n_embd_head), slots->nb[1], ggml_row_size(slots->type, n_embd_nope));
-
-    // the rows are stored rotated like the main rows: unrotate, RoPE in F32 (upstream's own
-    // shift of an unquantized cache), rotate back
-    ggml_tensor * tmp = ggml_cast(ctx0, view, GGML_TYPE_F32);
-    tmp = rot ? llama_mul_mat_hadamard(ctx0, tmp, rot) : tmp;
-    tmp = kv.build_rope_shift(cparams, ctx0, tmp, shift, nullptr, factors, freq_base, freq_scale, il);
-    tmp = rot ? llama_mul_mat_hadamard(ctx0, tmp, rot) : tmp;
-    return ggml_cpy(ctx0, tmp, view);
+    return shift_rows(kv, ctx0, cparams, view, shift, rot, factors, freq_base, freq_scale, il);
 }
 
 void llama_kvcomp_buffer::copy_stream(uint32_t ssrc, uint32_t sdst) {
@@ -480,6 +544,12 @@ void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cach
         (uint32_t) v_buf[0]->ne[0], n_slots(), (uint32_t) maps.size(),
     };
     io.write(header, sizeof(header));
+
+    const uint32_t has_tracker = tracker ? 1 : 0;
+    io.write(&has_tracker, sizeof(has_tracker));
+    if (tracker) {
+        tracker->state_write(io);
+    }
 
     for (uint32_t strm = 0; strm < maps.size(); ++strm) {
         const auto & cells = kv.v_cells[strm];
@@ -555,6 +625,28 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
                                      std::to_string(sinfos.size()));
         }
 
+        // the K offsets the restored rows were stored with
+        std::vector<uint64_t> restored_cells;
+        for (const auto & si : sinfos) {
+            for (uint32_t c : si.empty() ? std::vector<uint32_t>() : si.idxs[0]) {
+                restored_cells.push_back((uint64_t) si.strm[0] * kv.get_size() + c);
+            }
+        }
+        uint32_t n_used = 0;
+        for (const auto & cells_strm : kv.v_cells) {
+            n_used += cells_strm.get_used();
+        }
+        uint32_t has_tracker = 0;
+        io.read(&has_tracker, sizeof(has_tracker));
+        if (has_tracker > 1 || (has_tracker && !tracker)) {
+            throw std::runtime_error(has_tracker > 1 ? "tracker flag is corrupted" :
+                                     "the state was saved with the scale tracker on; this context has none");
+        }
+        std::vector<std::vector<float>> delta;
+        if (tracker) {
+            delta = tracker->state_read(io, restored_cells, seq_id == -1 || n_used <= restored_cells.size(), has_tracker != 0);
+        }
+
         for (uint32_t si = 0; si < header[6]; ++si) {
             uint32_t n_entries = 0;
             io.read(&n_entries, sizeof(n_entries));
@@ -596,11 +688,18 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
                     taken[s] = true;
                 }
             }
+            std::vector<uint64_t> rows(n_entries);
+            for (uint32_t e = 0; e < n_entries; ++e) {
+                rows[e] = (uint64_t) strm * n_rows() + dst[e];
+            }
             for (size_t ib = 0; ib < k_buf.size(); ++ib) {
                 for (ggml_tensor * t : { k_buf[ib], v_buf[ib] }) {
-                    for (uint32_t e = 0; e < n_entries; ++e) {
-                        io.read_tensor(t, ((size_t) strm * n_rows() + dst[e]) * t->nb[1], t->nb[1]);
+                    for (uint64_t r : rows) {
+                        io.read_tensor(t, r * t->nb[1], t->nb[1]);
                     }
+                }
+                if (!delta.empty()) {
+                    llama_kvcomp_tracker::reencode(k_buf[ib], rows, delta[ib]);
                 }
             }
             const auto & cells = kv.v_cells[strm];
@@ -644,62 +743,29 @@ llama_kvcomp_stats llama_kvcomp_buffer::get_stats() const {
     return st;
 }
 
-int32_t llama_kvcomp_get_stats(llama_context * ctx, llama_kvcomp_stats * stats) {
-    auto * kv = ctx ? dynamic_cast<llama_kv_cache *>(llama_get_memory(ctx)) : nullptr;
-    if (!kv || !kv->kvcomp || !stats) {
-        return -1;
-    }
-    *stats = kv->kvcomp->get_stats();
-    return 0;
-}
-
-const char * llama_kvcomp_params_error(const llama_kvcomp_params * p) {
-    if (!p) {
-        return "no parameters";
-    }
-    if (p->window < 0) {
-        return "the window must be >= 0";
-    }
-    if (p->sinks < 0) {
-        return "the sink count must be >= 0";
-    }
-    if (p->merge_interval < 1) {
-        return "the merge interval must be >= 1";
-    }
-    if (!(p->merge_at > 0.0f && p->merge_at <= 1.0f)) {
-        return "merge-at must be a fraction in (0, 1]";
-    }
-    if (!(p->pin_threshold >= 0.0f && std::isfinite(p->pin_threshold))) {
-        return "the pin threshold must be a finite value >= 0";
-    }
-    if (!(p->pin_budget >= 0.0f && p->pin_budget <= 100.0f)) {
-        return "the pin budget must be a percentage in [0, 100]";
-    }
-    return nullptr;
-}
-
-llama_kvcomp_params llama_kvcomp_default_params(void) {
-    llama_kvcomp_params p;
-    p.window         = 0;
-    p.sinks          = 0;
-    p.merge_interval = 1;
-    p.merge_at       = 1.0f;
-    p.pin_threshold  = 0.0f;
-    p.pin_budget     = 1.0f;
-    return p;
-}
-
 int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max) {
-    if (kv.v_trans) {
-        LLAMA_LOG_ERROR("%s: the residual buffer needs flash attention (-fa on)\n", __func__);
-        return -2;
-    }
-    if (params.window == 0 && params.sinks == 0 && params.pin_threshold == 0.0f) {
+    // a tracker stays with the cache once it has set offsets: the cached keys carry them
+    std::shared_ptr<llama_kvcomp_tracker> tracker = kv.kvcomp ? kv.kvcomp->tracker : nullptr;
+    if (!wants_slots(params) && !params.tracker && !tracker) {
         kv.kvcomp.reset();
         return 0;
     }
+    if (kv.v_trans) {
+        LLAMA_LOG_ERROR("%s: kvcomp needs flash attention (-fa on)\n", __func__);
+        return -2;
+    }
     try {
-        kv.kvcomp = std::make_shared<llama_kvcomp_buffer>(kv, params, n_ubatch, n_seq_max);
+        if (!tracker && params.tracker) {
+            std::vector<llama_kvcomp_tracker::layer_desc> descs;
+            for (const auto & l : kv.layers) {
+                descs.push_back({ l.k, l.v, (int32_t) l.il, (int64_t) kv.hparams.n_embd_head_k(l.il), (int64_t) kv.hparams.n_embd_head_v(l.il) });
+            }
+            tracker = std::make_shared<llama_kvcomp_tracker>(descs, params);
+        }
+        if (tracker) {
+            tracker->set_params(params);
+        }
+        kv.kvcomp = std::make_shared<llama_kvcomp_buffer>(kv, params, n_ubatch, n_seq_max, tracker);
     } catch (const std::exception & e) {
         LLAMA_LOG_ERROR("%s: %s\n", __func__, e.what());
         return -3;
@@ -707,16 +773,13 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
     return 0;
 }
 
-int32_t llama_kvcomp_configure(llama_context * ctx, const llama_kvcomp_params * params) {
-    const char * err = llama_kvcomp_params_error(params);
-    if (!ctx || err) {
-        LLAMA_LOG_ERROR("%s: invalid parameters: %s\n", __func__, err ? err : "no context");
-        return -1;
+
+bool llama_kvcomp_buffer::get_layer_stats(int32_t il, llama_kvcomp_layer_stats & st) const {
+    if (!tracker || il < 0 || il >= (int32_t) layer_of_il.size() || layer_of_il[il] < 0) {
+        return false;
     }
-    auto * kv = dynamic_cast<llama_kv_cache *>(llama_get_memory(ctx));
-    if (!kv) {
-        LLAMA_LOG_ERROR("%s: the residual buffer needs a plain KV cache (no sliding-window or recurrent layers) for now\n", __func__);
-        return -2;
-    }
-    return llama_kvcomp_buffer::attach(*kv, *params, llama_n_ubatch(ctx), llama_n_seq_max(ctx));
+    st = {};
+    st.il = il;
+    tracker->get_layer_stats(layer_of_il[il], st);
+    return true;
 }

@@ -10,6 +10,7 @@
 // main cache. Exactness depends on positions only, so a batched prompt and token-by-token
 // decoding see the same keys.
 
+#include "kvcomp-tracker.h"
 #include "llama-kvcomp.h"
 #include "llama-kv-cache.h"
 
@@ -18,6 +19,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 struct llama_cparams;
@@ -26,21 +28,36 @@ class llama_io_read_i;
 class llama_io_write_i;
 class llm_graph_result;
 
+// The hooks kvcomp adds to one llama_kv_cache: the residual buffer (when any of window,
+// sinks and pins is on) and the scale tracker (kvcomp-tracker.h), which may run alone.
 struct llama_kvcomp_buffer {
-    llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max);
+    llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max,
+                        std::shared_ptr<llama_kvcomp_tracker> tracker);
     ~llama_kvcomp_buffer();
 
     // llama_kvcomp_configure on one cache; same return codes
     static int32_t attach(llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max);
 
+    static void cache_types(const llama_kv_cache & kv, ggml_type & type_k, ggml_type & type_v) {
+        type_k = kv.layers[0].k->type;
+        type_v = kv.layers[0].v->type;
+    }
+
+    // whether the params ask for slots at all
+    static bool wants_slots(const llama_kvcomp_params & p) { return p.window > 0 || p.sinks > 0 || p.pin_threshold > 0.0f; }
+
     // slots per KV stream
     uint32_t n_slots() const { return n_slots_stream; }
 
+    const llama_kvcomp_params & get_params() const { return params; }
     llama_kvcomp_stats get_stats() const;
+    // the tracker's view of model layer il; false without a tracker or when il is not here
+    bool get_layer_stats(int32_t il, llama_kvcomp_layer_stats & st) const;
 
-    // attention width beyond the main cells for a ubatch of n_tokens, and its upper bound
-    uint32_t n_extra(uint32_t n_tokens) const { return n_slots() + n_tokens; }
-    uint32_t n_extra_max() const { return n_slots() + n_ubatch; }
+    // attention width beyond the main cells for a ubatch of n_tokens, and its upper bound;
+    // without slots, attention reads the main cache as upstream does
+    uint32_t n_extra(uint32_t n_tokens) const { return buffered ? n_slots() + n_tokens : 0; }
+    uint32_t n_extra_max() const { return buffered ? n_slots() + n_ubatch : 0; }
 
     // main cells of a get_k/get_v of width n_kv in the graph being built (after its cpy)
     uint32_t n_main(uint32_t n_kv, uint32_t kv_size, int32_t il, bool is_k) const;
@@ -63,8 +80,12 @@ struct llama_kvcomp_buffer {
     void set_input_kq_mask(const llama_kv_cache & kv, ggml_tensor * dst, const llama_ubatch * ubatch,
                            const std::function<void(float *, int64_t)> & fill_main) const;
 
-    // Context shift: the slot rows of shifted cells get the RoPE of their main rows.
+    // Context shift: the main rows (build_shift_main replaces upstream's shift of a layer's K
+    // view, to put the tracker's offset back around RoPE) and the slot rows of shifted cells.
     // build_input_shift once per shift graph, then build_shift per layer.
+    ggml_tensor * build_shift_main(const llama_kv_cache & kv, ggml_context * ctx, const llama_cparams & cparams,
+                                   ggml_tensor * k_view, ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors,
+                                   float freq_base, float freq_scale, uint32_t il) const;
     ggml_tensor * build_input_shift(const llama_kv_cache & kv, ggml_context * ctx, llm_graph_result * res);
     void set_input_shift(const llama_kv_cache & kv);
     ggml_tensor * build_shift(const llama_kv_cache & kv, ggml_context * ctx, const llama_cparams & cparams,
@@ -100,6 +121,9 @@ private:
     };
 
     bool is_exact(llama_pos key, llama_pos query, bool pinned) const;
+    ggml_tensor * shift_rows(const llama_kv_cache & kv, ggml_context * ctx, const llama_cparams & cparams, ggml_tensor * view,
+                             ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors, float freq_base, float freq_scale,
+                             uint32_t il) const;
     uint32_t n_rows() const { return n_slots() + 1; }
     void free_slot(stream_map & m, uint32_t s);
     void set_slot(stream_map & m, uint32_t s, uint32_t cell, llama_pos pos, slot_kind kind);
@@ -109,6 +133,7 @@ private:
                       const llama_ubatch & ubatch, uint32_t i0);
 
     llama_kvcomp_params params;
+    bool     buffered;
     uint32_t n_ubatch;
     uint32_t n_slots_stream;
     uint32_t pin_budget; // cells per stream
@@ -134,6 +159,9 @@ private:
 
     // per slot row: the RoPE shift of its cell, for build_shift
     ggml_tensor * shift_input = nullptr;
+
+    // shared with the next configuration of the same cache: cached keys keep their offset
+    std::shared_ptr<llama_kvcomp_tracker> tracker;
 
     ggml_context *          ctx = nullptr;
     ggml_backend_buffer_t   buf = nullptr;

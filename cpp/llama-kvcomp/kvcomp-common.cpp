@@ -9,15 +9,81 @@
 #include <stdexcept>
 #include <string>
 
+// The knobs, in the order they are logged; `set` marks those given on the command line (or in
+// the environment), which --kv-comp MODE leaves alone whatever their order.
+enum kvcomp_knob {
+    KVCOMP_KNOB_WINDOW,
+    KVCOMP_KNOB_SINKS,
+    KVCOMP_KNOB_MERGE,
+    KVCOMP_KNOB_MERGE_AT,
+    KVCOMP_KNOB_PIN_THRESHOLD,
+    KVCOMP_KNOB_PIN_BUDGET,
+    KVCOMP_KNOB_TRACKER,
+    KVCOMP_KNOB_EMA,
+    KVCOMP_KNOB_COUNT,
+};
+
+static uint32_t & kvcomp_knobs_set() {
+    static uint32_t set = 0;
+    return set;
+}
+
 // Sets one knob and checks the whole set, so a bad value names its flag.
 template <typename T>
-static void kvcomp_set(common_params & params, const char * flag, T llama_kvcomp_params::*field, T value) {
+static void kvcomp_set(common_params & params, const char * flag, kvcomp_knob knob, T llama_kvcomp_params::*field, T value) {
     llama_kvcomp_params p = params.kvcomp;
     p.*field = value;
     if (const char * err = llama_kvcomp_params_error(&p)) {
         throw std::invalid_argument(std::string(flag) + ": " + err);
     }
     params.kvcomp = p;
+    kvcomp_knobs_set() |= 1u << knob;
+}
+
+// --kv-comp MODE: the mode's knobs and cache types, except what was given explicitly. A
+// cache type counts as given when it is not upstream's default (f16).
+static void kvcomp_set_mode(common_params & params, const std::string & name) {
+    const int32_t mode = llama_kvcomp_mode_from_name(name.c_str());
+    llama_kvcomp_params preset;
+    ggml_type type_k, type_v;
+    if (mode < 0 || mode == LLAMA_KVCOMP_MODE_CUSTOM || llama_kvcomp_mode_preset(mode, &preset, &type_k, &type_v) != 0) {
+        throw std::invalid_argument("--kv-comp: unknown mode '" + name + "' (off, low-latency, balanced, high-precision)");
+    }
+    llama_kvcomp_params & p = params.kvcomp;
+    const uint32_t set = kvcomp_knobs_set();
+    const auto keep = [&](kvcomp_knob k) { return (set >> k) & 1u; };
+    p.mode = mode;
+    if (!keep(KVCOMP_KNOB_WINDOW))        p.window         = preset.window;
+    if (!keep(KVCOMP_KNOB_SINKS))         p.sinks          = preset.sinks;
+    if (!keep(KVCOMP_KNOB_MERGE))         p.merge_interval = preset.merge_interval;
+    if (!keep(KVCOMP_KNOB_MERGE_AT))      p.merge_at       = preset.merge_at;
+    if (!keep(KVCOMP_KNOB_PIN_THRESHOLD)) p.pin_threshold  = preset.pin_threshold;
+    if (!keep(KVCOMP_KNOB_PIN_BUDGET))    p.pin_budget     = preset.pin_budget;
+    if (!keep(KVCOMP_KNOB_TRACKER))       p.tracker        = preset.tracker;
+    if (!keep(KVCOMP_KNOB_EMA)) {
+        p.ema_shallow = preset.ema_shallow;
+        p.ema_deep    = preset.ema_deep;
+    }
+    if (params.cache_type_k == GGML_TYPE_F16) {
+        params.cache_type_k = type_k;
+    }
+    if (params.cache_type_v == GGML_TYPE_F16) {
+        params.cache_type_v = type_v;
+    }
+    // quantized V and the buffer need flash attention; an explicit -fa off is refused later
+    if (mode != LLAMA_KVCOMP_MODE_OFF && params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_AUTO) {
+        params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    }
+}
+
+static bool kvcomp_parse_switch(const char * flag, const std::string & value) {
+    if (value == "on" || value == "1") {
+        return true;
+    }
+    if (value == "off" || value == "0") {
+        return false;
+    }
+    throw std::invalid_argument(std::string(flag) + ": expected on or off, got '" + value + "'");
 }
 
 static float kvcomp_parse_float(const char * flag, const std::string & value) {
@@ -37,32 +103,41 @@ static float kvcomp_parse_float(const char * flag, const std::string & value) {
 std::vector<common_arg> common_kvcomp_args() {
     std::vector<common_arg> args;
     args.push_back(common_arg(
+        {"--kv-comp"}, "MODE",
+        "kvcomp preset: off, low-latency (kvc4 K/V + scale tracker), balanced (kvc4 K, kvc3 V, 32-position window, "
+        "merge every 32 steps), high-precision (kvc8 K, kvc4 V, 128-position window, merge every 8 steps); sets -ctk/-ctv "
+        "unless given, turns -fa on, and --kv-comp-* flags override its knobs (default: off)",
+        [](common_params & params, const std::string & value) {
+            kvcomp_set_mode(params, value);
+        }
+    ).set_env("LLAMA_ARG_KV_COMP"));
+    args.push_back(common_arg(
         {"--kv-comp-window"}, "W",
         "kvcomp residual buffer: the newest W positions stay exact (F16) for every query (default: 0, off; "
         "needs -fa on and a unified KV cache)",
         [](common_params & params, int value) {
-            kvcomp_set(params, "--kv-comp-window", &llama_kvcomp_params::window, value);
+            kvcomp_set(params, "--kv-comp-window", KVCOMP_KNOB_WINDOW, &llama_kvcomp_params::window, value);
         }
     ).set_env("LLAMA_ARG_KV_COMP_WINDOW"));
     args.push_back(common_arg(
         {"--kv-comp-sinks"}, "S",
         "kvcomp residual buffer: the first S positions of each sequence stay exact (default: 0)",
         [](common_params & params, int value) {
-            kvcomp_set(params, "--kv-comp-sinks", &llama_kvcomp_params::sinks, value);
+            kvcomp_set(params, "--kv-comp-sinks", KVCOMP_KNOB_SINKS, &llama_kvcomp_params::sinks, value);
         }
     ).set_env("LLAMA_ARG_KV_COMP_SINKS"));
     args.push_back(common_arg(
         {"--kv-comp-merge"}, "N",
         "kvcomp residual buffer: release the slots of tokens that left the window every N ubatches (default: 1)",
         [](common_params & params, int value) {
-            kvcomp_set(params, "--kv-comp-merge", &llama_kvcomp_params::merge_interval, value);
+            kvcomp_set(params, "--kv-comp-merge", KVCOMP_KNOB_MERGE, &llama_kvcomp_params::merge_interval, value);
         }
     ).set_env("LLAMA_ARG_KV_COMP_MERGE"));
     args.push_back(common_arg(
         {"--kv-comp-merge-at"}, "F",
         "kvcomp residual buffer: ... or as soon as this fraction of the slots is in use (default: 1.0)",
         [](common_params & params, const std::string & value) {
-            kvcomp_set(params, "--kv-comp-merge-at", &llama_kvcomp_params::merge_at,
+            kvcomp_set(params, "--kv-comp-merge-at", KVCOMP_KNOB_MERGE_AT, &llama_kvcomp_params::merge_at,
                 kvcomp_parse_float("--kv-comp-merge-at", value));
         }
     ).set_env("LLAMA_ARG_KV_COMP_MERGE_AT"));
@@ -70,7 +145,7 @@ std::vector<common_arg> common_kvcomp_args() {
         {"--kv-comp-pin-threshold"}, "E",
         "kvcomp residual buffer: keep tokens whose relative quantization error exceeds E exact (default: 0, off)",
         [](common_params & params, const std::string & value) {
-            kvcomp_set(params, "--kv-comp-pin-threshold", &llama_kvcomp_params::pin_threshold,
+            kvcomp_set(params, "--kv-comp-pin-threshold", KVCOMP_KNOB_PIN_THRESHOLD, &llama_kvcomp_params::pin_threshold,
                 kvcomp_parse_float("--kv-comp-pin-threshold", value));
         }
     ).set_env("LLAMA_ARG_KV_COMP_PIN_THRESHOLD"));
@@ -78,22 +153,61 @@ std::vector<common_arg> common_kvcomp_args() {
         {"--kv-comp-pin-budget"}, "P",
         "kvcomp residual buffer: at most P per cent of the cache's cells pinned as outliers (default: 1)",
         [](common_params & params, const std::string & value) {
-            kvcomp_set(params, "--kv-comp-pin-budget", &llama_kvcomp_params::pin_budget,
+            kvcomp_set(params, "--kv-comp-pin-budget", KVCOMP_KNOB_PIN_BUDGET, &llama_kvcomp_params::pin_budget,
                 kvcomp_parse_float("--kv-comp-pin-budget", value));
         }
     ).set_env("LLAMA_ARG_KV_COMP_PIN_BUDGET"));
+    args.push_back(common_arg(
+        {"--kv-comp-tracker"}, "on|off",
+        "kvcomp scale tracker: per-layer K range statistics, and the K offset they yield removed before quantization "
+        "(default: off; on in every mode but off)",
+        [](common_params & params, const std::string & value) {
+            kvcomp_set(params, "--kv-comp-tracker", KVCOMP_KNOB_TRACKER, &llama_kvcomp_params::tracker,
+                (int32_t) kvcomp_parse_switch("--kv-comp-tracker", value));
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_TRACKER"));
+    args.push_back(common_arg(
+        {"--kv-comp-ema"}, "A[,B]",
+        "kvcomp scale tracker: EMA weight of the first layer's statistics, and of the last layer's (layers between are "
+        "interpolated), each in (0, 1] (default: 0.1,0.2)",
+        [](common_params & params, const std::string & value) {
+            const size_t comma = value.find(',');
+            const float a = kvcomp_parse_float("--kv-comp-ema", value.substr(0, comma));
+            const float b = comma == std::string::npos ? a : kvcomp_parse_float("--kv-comp-ema", value.substr(comma + 1));
+            kvcomp_set(params, "--kv-comp-ema", KVCOMP_KNOB_EMA, &llama_kvcomp_params::ema_shallow, a);
+            kvcomp_set(params, "--kv-comp-ema", KVCOMP_KNOB_EMA, &llama_kvcomp_params::ema_deep, b);
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_EMA"));
     return args;
+}
+
+static void kvcomp_log_config(const llama_kvcomp_params & p, ggml_type type_k, ggml_type type_v) {
+    const uint32_t set = kvcomp_knobs_set();
+    const char * mode = llama_kvcomp_mode_name(p.mode);
+    const auto src = [&](kvcomp_knob k) { return (set >> k) & 1u ? "flag" : mode; };
+    LOG_INF("kvcomp: mode           = %s\n", mode);
+    LOG_INF("kvcomp: type_k         = %s\n", ggml_type_name(type_k));
+    LOG_INF("kvcomp: type_v         = %s\n", ggml_type_name(type_v));
+    LOG_INF("kvcomp: window         = %d (%s)\n", p.window, src(KVCOMP_KNOB_WINDOW));
+    LOG_INF("kvcomp: sinks          = %d (%s)\n", p.sinks, src(KVCOMP_KNOB_SINKS));
+    LOG_INF("kvcomp: merge interval = %d (%s)\n", p.merge_interval, src(KVCOMP_KNOB_MERGE));
+    LOG_INF("kvcomp: merge at       = %.2f (%s)\n", p.merge_at, src(KVCOMP_KNOB_MERGE_AT));
+    LOG_INF("kvcomp: pin threshold  = %.3f (%s)\n", p.pin_threshold, src(KVCOMP_KNOB_PIN_THRESHOLD));
+    LOG_INF("kvcomp: pin budget     = %.2f%% (%s)\n", p.pin_budget, src(KVCOMP_KNOB_PIN_BUDGET));
+    LOG_INF("kvcomp: tracker        = %s (%s)\n", p.tracker ? "on" : "off", src(KVCOMP_KNOB_TRACKER));
+    LOG_INF("kvcomp: ema            = %.3f,%.3f (%s)\n", p.ema_shallow, p.ema_deep, src(KVCOMP_KNOB_EMA));
 }
 
 bool common_kvcomp_apply(llama_context * ctx, const common_params & params) {
     const llama_kvcomp_params & p = params.kvcomp;
-    if (p.window == 0 && p.sinks == 0 && p.pin_threshold == 0.0f) {
+    if (p.mode == LLAMA_KVCOMP_MODE_CUSTOM && p.window == 0 && p.sinks == 0 && p.pin_threshold == 0.0f && p.tracker == 0) {
         return true;
     }
-    LOG_INF("kvcomp: window = %d, sinks = %d, merge interval = %d, merge at = %.2f, pin threshold = %.3f, pin budget = %.2f%%\n",
-        p.window, p.sinks, p.merge_interval, p.merge_at, p.pin_threshold, p.pin_budget);
+    ggml_type type_k = GGML_TYPE_COUNT, type_v = GGML_TYPE_COUNT;
+    llama_kvcomp_get_cache_types(ctx, &type_k, &type_v);
+    kvcomp_log_config(p, type_k, type_v);
     if (llama_kvcomp_configure(ctx, &p) != 0) {
-        LOG_ERR("kvcomp: the residual buffer could not be attached (see the reason above)\n");
+        LOG_ERR("kvcomp: the configuration could not be applied (see the reason above)\n");
         return false;
     }
     return true;
@@ -142,5 +256,14 @@ void common_kvcomp_bench_usage() {
 }
 
 bool common_kvcomp_bench_apply(llama_context * ctx) {
-    return common_kvcomp_apply(ctx, kvcomp_bench_params());
+    // llama-bench takes cache types from -ctk/-ctv only: a mode must be run on its own types
+    const common_params & params = kvcomp_bench_params();
+    ggml_type want_k, want_v, type_k = GGML_TYPE_COUNT, type_v = GGML_TYPE_COUNT;
+    if (llama_kvcomp_mode_preset(params.kvcomp.mode, nullptr, &want_k, &want_v) == 0 &&
+        llama_kvcomp_get_cache_types(ctx, &type_k, &type_v) == 0 && (type_k != want_k || type_v != want_v)) {
+        LOG_ERR("kvcomp: --kv-comp %s runs on -ctk %s -ctv %s in llama-bench (got %s/%s)\n", llama_kvcomp_mode_name(params.kvcomp.mode),
+            ggml_type_name(want_k), ggml_type_name(want_v), ggml_type_name(type_k), ggml_type_name(type_v));
+        return false;
+    }
+    return common_kvcomp_apply(ctx, params);
 }

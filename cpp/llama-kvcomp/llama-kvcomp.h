@@ -10,8 +10,20 @@
 extern "C" {
 #endif
 
-// Knobs of the residual buffer (docs/design-residual-buffer.md).
+// The presets, in the order of the degrade ladder (README "Modes").
+enum llama_kvcomp_mode {
+    LLAMA_KVCOMP_MODE_OFF,            // upstream cache: no buffer, no tracker
+    LLAMA_KVCOMP_MODE_LOW_LATENCY,    // kvc4 K/V, scale tracker, no residual buffer
+    LLAMA_KVCOMP_MODE_BALANCED,       // merge every 32 steps
+    LLAMA_KVCOMP_MODE_HIGH_PRECISION, // merge every 8 steps
+    LLAMA_KVCOMP_MODE_CUSTOM,         // knobs set one by one
+    LLAMA_KVCOMP_MODE_COUNT,
+};
+
+// Knobs of the residual buffer (docs/design-residual-buffer.md) and of the scale tracker
+// (docs/design-tracker-modes.md).
 struct llama_kvcomp_params {
+    int32_t mode;           // enum llama_kvcomp_mode these knobs came from
     int32_t window;         // newest positions every query sees at full precision (0: none)
     int32_t sinks;          // first positions of each sequence kept at full precision (0: none)
     int32_t merge_interval; // slots of tokens that left the window are released every N ubatches (>= 1)
@@ -19,16 +31,45 @@ struct llama_kvcomp_params {
     float   pin_threshold;  // relative quantization error ||x - deq(q(x))|| / ||x|| of a token above
                             // which it stays exact (0: no outlier pins)
     float   pin_budget;     // most cells pinned as outliers, in per cent of the cache size [0, 100]
+    int32_t tracker;        // 1: the scale tracker runs and removes each layer's K offset, 0: off
+    float   ema_shallow;    // tracker EMA weight α of the first layer, (0, 1]
+    float   ema_deep;       // ... of the last layer; layers between are interpolated, (0, 1]
 };
 
+// Everything off, mode LLAMA_KVCOMP_MODE_CUSTOM.
 LLAMA_API struct llama_kvcomp_params llama_kvcomp_default_params(void);
 
-// Attaches (or, with window = sinks = pin_threshold = 0, removes) the residual buffer of the
-// context's KV cache. Call it after the context is created; tokens already cached stay
-// quantized for every later query. Returns 0 on success, a negative value with a logged
-// reason otherwise: -1 invalid params, -2 unsupported cache layout (needs flash attention,
-// one KV stream and a cache without sliding-window layers), -3 allocation failure.
+// A mode's preset: the knobs and the K/V cache types it is meant for (GGML_TYPE_F16 for
+// "off"). Returns 0, or -1 for an unknown mode.
+LLAMA_API int32_t llama_kvcomp_mode_preset(int32_t mode, struct llama_kvcomp_params * params,
+                                           enum ggml_type * type_k, enum ggml_type * type_v);
+
+// "off", "low-latency", "balanced", "high-precision", "custom"; NULL for an unknown mode.
+LLAMA_API const char * llama_kvcomp_mode_name(int32_t mode);
+
+// The mode of a name above, or -1.
+LLAMA_API int32_t llama_kvcomp_mode_from_name(const char * name);
+
+// Attaches the residual buffer and the scale tracker described by params to the context's
+// KV cache (both caches of a sliding-window model), or removes them when every knob is off.
+// Call it after the context is created; tokens already cached stay quantized for every later
+// query, and the K offset they were stored with stays in use until the cache empties.
+// Returns 0 on success, a negative value with a logged reason otherwise: -1 invalid params,
+// -2 unsupported cache (needs flash attention and a transformer KV cache), -3 allocation
+// failure.
 LLAMA_API int32_t llama_kvcomp_configure(struct llama_context * ctx, const struct llama_kvcomp_params * params);
+
+// The knobs in effect (as configured; every knob off when nothing is attached). Returns 0,
+// or -1 without a context.
+LLAMA_API int32_t llama_kvcomp_get_config(struct llama_context * ctx, struct llama_kvcomp_params * params);
+
+// The K and V cache types of the context. Returns 0, or -1 without a transformer KV cache.
+LLAMA_API int32_t llama_kvcomp_get_cache_types(struct llama_context * ctx, enum ggml_type * type_k, enum ggml_type * type_v);
+
+// Switches to a mode's knobs at run time (logged): new tokens follow them, cached tokens keep
+// how they were stored. The K/V types are fixed when the context is created, so only the
+// buffer and tracker knobs change. Same return codes as llama_kvcomp_configure.
+LLAMA_API int32_t llama_kvcomp_set_mode(struct llama_context * ctx, int32_t mode);
 
 // What the residual buffer holds and has done, for tests and monitoring.
 struct llama_kvcomp_stats {
@@ -45,6 +86,28 @@ struct llama_kvcomp_stats {
 
 // Returns 0 and fills stats, or -1 when the context has no residual buffer.
 LLAMA_API int32_t llama_kvcomp_get_stats(struct llama_context * ctx, struct llama_kvcomp_stats * stats);
+
+#define LLAMA_KVCOMP_MAX_HEADS 16
+
+// The scale tracker's view of one layer. RMSEs are over the K rows it sampled, in the values
+// attention sees; "plain" is what the same type gives without the offset removal.
+struct llama_kvcomp_layer_stats {
+    int32_t il;             // model layer
+    int32_t n_head_kv;
+    int64_t n_rows;         // K rows measured
+    float   alpha;          // EMA weight of this layer
+    float   k_rms;          // RMS of the measured K rows
+    float   k_rmse;         // round-trip RMSE of those rows as stored (offset removed)
+    float   k_rmse_plain;   // ... had they been stored as they came
+    float   k_offset_rms;   // RMS of the K offset in use
+    float   k_range_spread; // largest / smallest smoothed K channel range (0: not yet known)
+    float   k_scale[LLAMA_KVCOMP_MAX_HEADS]; // per KV head: largest smoothed half-range of its K channels
+    float   v_scale[LLAMA_KVCOMP_MAX_HEADS]; // per KV head: smoothed half-range of its V rows
+};
+
+// Fills stats for model layer il. Returns 0, or -1 when the context has no tracker or the
+// layer has no KV cache.
+LLAMA_API int32_t llama_kvcomp_get_layer_stats(struct llama_context * ctx, int32_t il, struct llama_kvcomp_layer_stats * stats);
 
 // Why params are invalid, or NULL when they are valid.
 LLAMA_API const char * llama_kvcomp_params_error(const struct llama_kvcomp_params * params);

@@ -13,6 +13,9 @@
 // Then the residual buffer on kvc4 (the issue-3 list): window 0 is the plain cache, a window
 // covering the context is f16, batched = sequential with merges inside the prompt, sequences
 // isolated, seq_cp/seq_rm/context shift/state round trips, refusals, and outlier pins.
+// Then the scale tracker and the modes (issue 4): the mode table round trip and refusals, the
+// K offset invisible to attention on an f16 cache, lower error on kvc4, context shift and
+// state round trips with the offset, and a sequence loaded into a cache with other offsets.
 
 #include "kvc-test-util.h"
 #include "llama.h"
@@ -232,9 +235,9 @@ llama_kvcomp_params buffer_params(int32_t window, int32_t sinks, int32_t merge_i
     return kp;
 }
 
-llama_context * make_buffered_ctx(llama_model * model, const llama_kvcomp_params & kp, uint32_t n_seq_max = 1,
-                                  bool unified = true) {
-    llama_context * ctx = make_ctx(model, GGML_TYPE_KVC4, n_seq_max, unified);
+llama_context * make_buffered_ctx(llama_model * model, const llama_kvcomp_params & kp, ggml_type type = GGML_TYPE_KVC4,
+                                  uint32_t n_seq_max = 1, bool unified = true) {
+    llama_context * ctx = make_ctx(model, type, n_seq_max, unified);
     if (ctx && llama_kvcomp_configure(ctx, &kp) != 0) {
         llama_free(ctx);
         return nullptr;
@@ -346,7 +349,7 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
         const llama_kvcomp_params kp = buffer_params(16, 2, 2);
         const int np = 100, ng = 24;
         auto run = [&](int seq1_from, llama_kvcomp_stats * st) {
-            ctx_ptr c{ make_buffered_ctx(model, kp, 2, unified) };
+            ctx_ptr c{ make_buffered_ctx(model, kp, GGML_TYPE_KVC4, 2, unified) };
             std::vector<std::array<int, 3>> prompt;
             for (int i = 0; i < np; ++i) {
                 prompt.push_back({ toks[i], i, 0 });
@@ -384,7 +387,7 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
     // seq_cp: unified, the copy shares the cells and their slots; split, the stream is
     // copied with its slots
     for (bool unified : { true, false }) {
-        ctx_ptr c{ make_buffered_ctx(model, kp, 2, unified) };
+        ctx_ptr c{ make_buffered_ctx(model, kp, GGML_TYPE_KVC4, 2, unified) };
         decode(c.ctx, toks, 0, 64, 64, 0);
         llama_memory_seq_cp(llama_get_memory(c.ctx), 0, 1, -1, -1);
         const auto l1 = decode(c.ctx, toks, 64, 65, 1, 1);
@@ -446,7 +449,7 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
             cont_a = decode(c.ctx, toks, 64, 72, 1);
         }
         {
-            ctx_ptr c{ make_buffered_ctx(model, kp, 2) };
+            ctx_ptr c{ make_buffered_ctx(model, kp, GGML_TYPE_KVC4, 2) };
             decode(c.ctx, toks, 0, 64, 64);
             seq_state.resize(llama_state_seq_get_size(c.ctx, 0));
             seq_state.resize(llama_state_seq_get_data(c.ctx, seq_state.data(), seq_state.size(), 0));
@@ -462,7 +465,7 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
         }
         rep.check(!cont_a.empty() && cont_a == cont_b, "buffer: state save -> load -> continue is bit-exact");
         {
-            ctx_ptr c{ make_buffered_ctx(model, kp, 2) };
+            ctx_ptr c{ make_buffered_ctx(model, kp, GGML_TYPE_KVC4, 2) };
             const size_t read = llama_state_seq_set_data(c.ctx, seq_state.data(), seq_state.size(), 1);
             cont_c = decode(c.ctx, toks, 64, 72, 1, 1);
             rep.check(read == seq_state.size() && stats_of(c.ctx).n_used > 0, "buffer: sequence state loads into another sequence");
@@ -521,6 +524,136 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
     }
 }
 
+// The scale tracker and the mode table (docs/design-tracker-modes.md).
+void test_tracker(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
+    const int n = 300;
+    llama_kvcomp_params trk = llama_kvcomp_default_params();
+    trk.tracker = 1;
+
+    // the mode table: preset -> name -> mode, and configure -> get_config give it back
+    for (int32_t m = LLAMA_KVCOMP_MODE_OFF; m < LLAMA_KVCOMP_MODE_CUSTOM; ++m) {
+        llama_kvcomp_params p, got;
+        ggml_type tk, tv;
+        const bool preset = llama_kvcomp_mode_preset(m, &p, &tk, &tv) == 0;
+        const char * name = llama_kvcomp_mode_name(m);
+        ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
+        const bool set = llama_kvcomp_set_mode(c.ctx, m) == 0 && llama_kvcomp_get_config(c.ctx, &got) == 0;
+        rep.check(preset && name && llama_kvcomp_mode_from_name(name) == m && set && got.mode == m &&
+                  got.window == p.window && got.sinks == p.sinks && got.merge_interval == p.merge_interval &&
+                  got.tracker == p.tracker && got.pin_threshold == p.pin_threshold,
+                  "modes: %s round-trips through the table and the context (K %s, V %s)", name ? name : "?",
+                  ggml_type_name(tk), ggml_type_name(tv));
+    }
+    {
+        ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
+        llama_kvcomp_params p = trk;
+        rep.check(llama_kvcomp_mode_from_name("fast") == -1 && llama_kvcomp_mode_preset(7, &p, nullptr, nullptr) == -1 &&
+                  llama_kvcomp_set_mode(c.ctx, 99) == -1, "modes: an unknown mode is refused");
+        p.ema_shallow = 0.0f;
+        const bool ema0 = llama_kvcomp_configure(c.ctx, &p) == -1;
+        p.ema_shallow = 0.1f;
+        p.ema_deep    = 1.5f;
+        const bool ema15 = llama_kvcomp_configure(c.ctx, &p) == -1;
+        p = trk;
+        p.tracker = 2;
+        rep.check(ema0 && ema15 && llama_kvcomp_configure(c.ctx, &p) == -1, "modes: EMA weights outside (0, 1] and tracker = 2 are refused");
+        llama_kvcomp_layer_stats ls;
+        rep.check(llama_kvcomp_get_layer_stats(c.ctx, 0, &ls) == -1, "tracker: no layer stats without a tracker");
+    }
+
+    const std::vector<float> f16   = decode_fresh(make_ctx(model, GGML_TYPE_F16), toks, n, n);
+    const std::vector<float> plain = decode_fresh(make_ctx(model, GGML_TYPE_KVC4), toks, n, n);
+    const double kl_plain = kl_div(f16, plain);
+
+    // softmax cancels a key offset shared by all keys: on an f16 cache only rounding is left
+    {
+        const std::vector<float> f16_trk = decode_fresh(make_buffered_ctx(model, trk, GGML_TYPE_F16), toks, n, n);
+        rep.check(!f16_trk.empty() && rel_diff(f16_trk, f16) <= 1e-2, "tracker: the K offset is invisible on an f16 cache: %.2e <= 1e-2",
+            rel_diff(f16_trk, f16));
+    }
+    {
+        ctx_ptr c{ make_buffered_ctx(model, trk) };
+        const std::vector<float> l = decode(c.ctx, toks, 0, n, 64);
+        const double kl = kl_div(f16, l);
+        rep.check(!l.empty() && kl < 0.8 * kl_plain, "tracker: kvc4 KL to f16 %.2e < 0.8 x plain kvc4's %.2e", kl, kl_plain);
+        int n_better = 0, n_layers = llama_model_n_layer(model);
+        double off = 0.0;
+        for (int32_t il = 0; il < n_layers; ++il) {
+            llama_kvcomp_layer_stats ls;
+            if (llama_kvcomp_get_layer_stats(c.ctx, il, &ls) == 0 && ls.n_rows > 0 && ls.k_rmse < ls.k_rmse_plain) {
+                ++n_better;
+            }
+            off += ls.k_offset_rms;
+        }
+        rep.check(n_better == n_layers && off > 0.0, "tracker: every layer's K round-trip error is lower with the offset (%d of %d)",
+            n_better, n_layers);
+    }
+    // a context shift puts the offset back around RoPE, on the main rows and on the slots
+    {
+        auto shifted = [&](llama_context * ctx) {
+            decode(ctx, toks, 0, 64, 64);
+            llama_memory_t mem = llama_get_memory(ctx);
+            llama_memory_seq_rm(mem, 0, 0, 16);
+            llama_memory_seq_add(mem, 0, 16, -1, -16);
+            std::vector<llama_token> next(toks.begin() + 16, toks.begin() + 65);
+            return decode(ctx, next, 48, 49, 1);
+        };
+        std::vector<float> ref, on_f16, on_slots;
+        {
+            ctx_ptr c{ make_ctx(model, GGML_TYPE_F16) };
+            ref = shifted(c.ctx);
+        }
+        {
+            ctx_ptr c{ make_buffered_ctx(model, trk, GGML_TYPE_F16) };
+            on_f16 = shifted(c.ctx);
+        }
+        {
+            llama_kvcomp_params p = buffer_params(512, 0);
+            p.tracker = 1;
+            ctx_ptr c{ make_buffered_ctx(model, p) };
+            on_slots = shifted(c.ctx);
+        }
+        rep.check(!on_f16.empty() && rel_diff(on_f16, ref) <= 1e-2 && !on_slots.empty() && rel_diff(on_slots, ref) <= 3e-2,
+            "tracker: after a context shift, f16 cache %.2e <= 1e-2, kvc4 with every key in a slot %.2e <= 3e-2",
+            rel_diff(on_f16, ref), rel_diff(on_slots, ref));
+    }
+    // state: whole context bit-exact; a sequence loaded beside other tokens (other offsets) is
+    // re-encoded onto the context's offsets and goes on like its source, up to one more rounding
+    {
+        llama_kvcomp_params p = buffer_params(32, 4);
+        p.tracker = 1;
+        std::vector<uint8_t> state, seq_state;
+        std::vector<float> cont_a, cont_b, cont_c;
+        {
+            ctx_ptr c{ make_buffered_ctx(model, p) };
+            decode(c.ctx, toks, 0, 200, 64);
+            state.resize(llama_state_get_size(c.ctx));
+            state.resize(llama_state_get_data(c.ctx, state.data(), state.size()));
+            seq_state.resize(llama_state_seq_get_size(c.ctx, 0));
+            seq_state.resize(llama_state_seq_get_data(c.ctx, seq_state.data(), seq_state.size(), 0));
+            cont_a = decode(c.ctx, toks, 200, 232, 8);
+        }
+        {
+            ctx_ptr c{ make_buffered_ctx(model, p) };
+            decode(c.ctx, toks, 0, 8, 8);
+            const size_t read = llama_state_set_data(c.ctx, state.data(), state.size());
+            cont_b = read == state.size() ? decode(c.ctx, toks, 200, 232, 8) : std::vector<float>();
+        }
+        rep.check(!cont_a.empty() && cont_a == cont_b, "tracker: state save -> load -> continue is bit-exact");
+        {
+            ctx_ptr c{ make_buffered_ctx(model, p, GGML_TYPE_KVC4, 2) };
+            // sequence 1 sets other offsets from other text
+            std::vector<llama_token> other(toks.rbegin(), toks.rbegin() + 100);
+            decode(c.ctx, other, 0, 100, 100, 1);
+            const size_t read = llama_state_seq_set_data(c.ctx, seq_state.data(), seq_state.size(), 0);
+            cont_c = read == seq_state.size() ? decode(c.ctx, toks, 200, 232, 8) : std::vector<float>();
+        }
+        rep.check(!cont_c.empty() && kl_div(cont_a, cont_c) <= kl_plain,
+            "tracker: a sequence loaded beside other offsets goes on like its source: KL %.2e <= plain kvc4's %.2e",
+            cont_c.empty() ? -1.0 : kl_div(cont_a, cont_c), kl_plain);
+    }
+}
+
 } // namespace
 
 int main(int argc, char ** argv) {
@@ -569,6 +702,7 @@ int main(int argc, char ** argv) {
     }
     if (n >= 300) {
         test_residual_buffer(rep, model, toks);
+        test_tracker(rep, model, toks);
     }
 
     llama_model_free(model);

@@ -1,0 +1,238 @@
+// The public C API of llama-kvcomp.h: modes, configuration and statistics of a context.
+
+#include "kvcomp-buffer.h"
+#include "llama-kvcomp.h"
+
+#include "llama-impl.h"
+#include "llama-kv-cache-iswa.h"
+#include "llama-kv-cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct kvcomp_mode_row {
+    const char * name;
+    ggml_type    type_k;
+    ggml_type    type_v;
+    int32_t      window;
+    int32_t      sinks;
+    int32_t      merge_interval;
+    float        pin_threshold;
+    float        pin_budget;
+    int32_t      tracker;
+};
+
+// The one mode table. Why each number: README "Modes" and docs/results.md.
+constexpr kvcomp_mode_row KVCOMP_MODES[] = {
+    // name              K               V               W    S   N   pin   budget tracker
+    { "off",            GGML_TYPE_F16,  GGML_TYPE_F16,    0,  0,  1, 0.0f,  1.0f,  0 },
+    { "low-latency",    GGML_TYPE_KVC4, GGML_TYPE_KVC4,   0,  0,  1, 0.0f,  1.0f,  1 },
+    { "balanced",       GGML_TYPE_KVC4, GGML_TYPE_KVC3,  32,  4, 32, 0.0f,  1.0f,  1 },
+    { "high-precision", GGML_TYPE_KVC8, GGML_TYPE_KVC4, 128,  4,  8, 0.0f,  1.0f,  1 },
+};
+static_assert(sizeof(KVCOMP_MODES) / sizeof(KVCOMP_MODES[0]) == LLAMA_KVCOMP_MODE_CUSTOM, "one table row per mode");
+
+// the transformer caches of a context: one, or two for a sliding-window model
+std::vector<llama_kv_cache *> kvcomp_caches(llama_context * ctx) {
+    llama_memory_t mem = ctx ? llama_get_memory(ctx) : nullptr;
+    if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
+        return { kv };
+    }
+    if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        return { iswa->get_base(), iswa->get_swa() };
+    }
+    return {};
+}
+
+} // namespace
+
+llama_kvcomp_params llama_kvcomp_default_params(void) {
+    llama_kvcomp_params p;
+    p.mode           = LLAMA_KVCOMP_MODE_CUSTOM;
+    p.window         = 0;
+    p.sinks          = 0;
+    p.merge_interval = 1;
+    p.merge_at       = 1.0f;
+    p.pin_threshold  = 0.0f;
+    p.pin_budget     = 1.0f;
+    p.tracker        = 0;
+    p.ema_shallow    = 0.1f;
+    p.ema_deep       = 0.2f;
+    return p;
+}
+
+int32_t llama_kvcomp_mode_preset(int32_t mode, llama_kvcomp_params * params, ggml_type * type_k, ggml_type * type_v) {
+    if (mode < 0 || mode >= LLAMA_KVCOMP_MODE_CUSTOM) {
+        return -1;
+    }
+    const kvcomp_mode_row & row = KVCOMP_MODES[mode];
+    if (params) {
+        llama_kvcomp_params p = llama_kvcomp_default_params();
+        p.mode           = mode;
+        p.window         = row.window;
+        p.sinks          = row.sinks;
+        p.merge_interval = row.merge_interval;
+        p.pin_threshold  = row.pin_threshold;
+        p.pin_budget     = row.pin_budget;
+        p.tracker        = row.tracker;
+        *params = p;
+    }
+    if (type_k) {
+        *type_k = row.type_k;
+    }
+    if (type_v) {
+        *type_v = row.type_v;
+    }
+    return 0;
+}
+
+const char * llama_kvcomp_mode_name(int32_t mode) {
+    if (mode == LLAMA_KVCOMP_MODE_CUSTOM) {
+        return "custom";
+    }
+    return mode >= 0 && mode < LLAMA_KVCOMP_MODE_CUSTOM ? KVCOMP_MODES[mode].name : nullptr;
+}
+
+int32_t llama_kvcomp_mode_from_name(const char * name) {
+    for (int32_t m = 0; name && m < LLAMA_KVCOMP_MODE_COUNT; ++m) {
+        if (std::strcmp(name, llama_kvcomp_mode_name(m)) == 0) {
+            return m;
+        }
+    }
+    return -1;
+}
+
+const char * llama_kvcomp_params_error(const llama_kvcomp_params * p) {
+    if (!p) {
+        return "no parameters";
+    }
+    if (p->mode < 0 || p->mode >= LLAMA_KVCOMP_MODE_COUNT) {
+        return "unknown mode";
+    }
+    if (p->window < 0) {
+        return "the window must be >= 0";
+    }
+    if (p->sinks < 0) {
+        return "the sink count must be >= 0";
+    }
+    if (p->merge_interval < 1) {
+        return "the merge interval must be >= 1";
+    }
+    if (!(p->merge_at > 0.0f && p->merge_at <= 1.0f)) {
+        return "merge-at must be a fraction in (0, 1]";
+    }
+    if (!(p->pin_threshold >= 0.0f && std::isfinite(p->pin_threshold))) {
+        return "the pin threshold must be a finite value >= 0";
+    }
+    if (!(p->pin_budget >= 0.0f && p->pin_budget <= 100.0f)) {
+        return "the pin budget must be a percentage in [0, 100]";
+    }
+    if (p->tracker != 0 && p->tracker != 1) {
+        return "the tracker is on (1) or off (0)";
+    }
+    if (!(p->ema_shallow > 0.0f && p->ema_shallow <= 1.0f) || !(p->ema_deep > 0.0f && p->ema_deep <= 1.0f)) {
+        return "the EMA weights must be in (0, 1]";
+    }
+    return nullptr;
+}
+
+int32_t llama_kvcomp_configure(llama_context * ctx, const llama_kvcomp_params * params) {
+    const char * err = llama_kvcomp_params_error(params);
+    if (!ctx || err) {
+        LLAMA_LOG_ERROR("%s: invalid parameters: %s\n", __func__, err ? err : "no context");
+        return -1;
+    }
+    const auto caches = kvcomp_caches(ctx);
+    if (caches.empty()) {
+        LLAMA_LOG_ERROR("%s: kvcomp needs a transformer KV cache (this model's memory is recurrent or hybrid)\n", __func__);
+        return -2;
+    }
+    for (llama_kv_cache * kv : caches) {
+        const int32_t rc = llama_kvcomp_buffer::attach(*kv, *params, llama_n_ubatch(ctx), llama_n_seq_max(ctx));
+        if (rc != 0) {
+            return rc;
+        }
+    }
+    return 0;
+}
+
+int32_t llama_kvcomp_get_config(llama_context * ctx, llama_kvcomp_params * params) {
+    const auto caches = kvcomp_caches(ctx);
+    if (!ctx || !params) {
+        return -1;
+    }
+    *params = llama_kvcomp_default_params();
+    if (!caches.empty() && caches[0]->kvcomp) {
+        *params = caches[0]->kvcomp->get_params();
+    } else {
+        params->mode = LLAMA_KVCOMP_MODE_OFF;
+    }
+    return 0;
+}
+
+int32_t llama_kvcomp_get_cache_types(llama_context * ctx, ggml_type * type_k, ggml_type * type_v) {
+    const auto caches = kvcomp_caches(ctx);
+    if (caches.empty() || !type_k || !type_v) {
+        return -1;
+    }
+    llama_kvcomp_buffer::cache_types(*caches[0], *type_k, *type_v);
+    return 0;
+}
+
+int32_t llama_kvcomp_set_mode(llama_context * ctx, int32_t mode) {
+    llama_kvcomp_params p;
+    if (llama_kvcomp_mode_preset(mode, &p, nullptr, nullptr) != 0) {
+        LLAMA_LOG_ERROR("%s: unknown mode %d\n", __func__, mode);
+        return -1;
+    }
+    const int32_t rc = llama_kvcomp_configure(ctx, &p);
+    if (rc == 0) {
+        LLAMA_LOG_INFO("kvcomp: mode switched to %s for new tokens (cache types stay as created)\n", llama_kvcomp_mode_name(mode));
+    }
+    return rc;
+}
+
+int32_t llama_kvcomp_get_stats(llama_context * ctx, llama_kvcomp_stats * stats) {
+    if (!stats) {
+        return -1;
+    }
+    bool any = false;
+    llama_kvcomp_stats sum = {};
+    for (llama_kv_cache * kv : kvcomp_caches(ctx)) {
+        if (!kv->kvcomp) {
+            continue;
+        }
+        const llama_kvcomp_stats st = kv->kvcomp->get_stats();
+        sum.pin_err_min = st.n_pinned > 0 && (sum.n_pinned == 0 || st.pin_err_min < sum.pin_err_min) ? st.pin_err_min : sum.pin_err_min;
+        sum.n_slots      += st.n_slots;
+        sum.n_used       += st.n_used;
+        sum.n_pinned     += st.n_pinned;
+        sum.n_pin_budget += st.n_pin_budget;
+        sum.n_merges     += st.n_merges;
+        sum.n_released   += st.n_released;
+        sum.n_overflow   += st.n_overflow;
+        sum.evicted_err_max = std::max(sum.evicted_err_max, st.evicted_err_max);
+        any = true;
+    }
+    if (!any) {
+        return -1;
+    }
+    *stats = sum;
+    return 0;
+}
+
+int32_t llama_kvcomp_get_layer_stats(llama_context * ctx, int32_t il, llama_kvcomp_layer_stats * stats) {
+    if (!stats) {
+        return -1;
+    }
+    for (llama_kv_cache * kv : kvcomp_caches(ctx)) {
+        if (kv->kvcomp && kv->kvcomp->get_layer_stats(il, *stats)) {
+            return 0;
+        }
+    }
+    return -1;
+}

@@ -1,0 +1,111 @@
+#pragma once
+
+// The scale tracker: range statistics of the K/V rows a cache receives, per layer, KV head and
+// channel, and the K offset they yield (docs/design-tracker-modes.md).
+//
+// A key offset shared by every key of a layer does not change attention (softmax cancels
+// q·c), so the cache stores k - c and nothing reads it back. c must be the same for every
+// key a query sees: it is set when the cache is empty (from the first ubatch's rows, or from
+// the tracker's smoothed mean once it has one) and then stays until the cache empties again.
+
+#include "llama-kvcomp.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <vector>
+
+class llama_io_read_i;
+class llama_io_write_i;
+
+struct llama_kvcomp_tracker {
+    // a cache layer: its K and V tensors ([n_embd, cells * streams]) and head sizes
+    struct layer_desc {
+        ggml_tensor * k;
+        ggml_tensor * v;
+        int32_t il;
+        int64_t n_embd_head_k;
+        int64_t n_embd_head_v;
+    };
+
+    llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params);
+    ~llama_kvcomp_tracker();
+
+    void set_params(const llama_kvcomp_params & p) { params = p; }
+
+    // Graph side, in the cache's cpy hook: samples K rows into the tap and returns cur - c
+    // (cur itself for V).
+    ggml_tensor * transform(ggml_context * ctx, ggml_tensor * cur, int32_t ib, bool is_k) const;
+
+    // Host side, before each ubatch's graph: folds the last ubatch's rows into the statistics
+    // and, when the cache held nothing but this ubatch, lets this ubatch set the offset.
+    // `cells` are the cells this ubatch writes (all streams), `empty` whether they are all
+    // the cache holds.
+    void update(const std::vector<uint64_t> & cells, bool empty);
+
+    // around a RoPE shift of stored K rows: rows + c before, rows - c after
+    ggml_tensor * add_offset(ggml_context * ctx, ggml_tensor * rows, int32_t ib, float sign) const;
+
+    // the offsets, with the state; a sequence read into a cache with other offsets has its
+    // K rows re-encoded (cells: those restored)
+    // returns, per layer, what was added to the restored rows (empty when nothing was), for
+    // the slot rows the caller restores
+    void state_write(llama_io_write_i & io) const;
+    // (present: whether the state has offsets; without, its rows were stored as they came)
+    std::vector<std::vector<float>> state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells, bool replace, bool present);
+    static void reencode(ggml_tensor * t, const std::vector<uint64_t> & rows, const std::vector<float> & delta);
+
+    void get_layer_stats(int32_t ib, llama_kvcomp_layer_stats & st) const;
+    int32_t n_layers() const { return (int32_t) layers.size(); }
+
+    // the offset in use (host copy, for the tests)
+    const std::vector<float> & offset(int32_t ib) const { return layers[ib].c; }
+
+private:
+    // per channel, what one update contributed: the sum and the two largest and two
+    // smallest values (enough for a 99.9th percentile over up to 1000 samples)
+    struct update_stats {
+        uint32_t n = 0;
+        std::vector<float> sum, hi1, hi2, lo1, lo2;
+    };
+
+    struct layer_state {
+        ggml_tensor * k_main = nullptr;
+        ggml_tensor * v_main = nullptr;
+        int64_t n_embd_k = 0, n_embd_v = 0, n_embd_head_k = 0, n_embd_head_v = 0;
+        float   alpha = 0.1f;
+        // window of the last updates (ring) and its smoothed values, K per channel, V per head
+        std::vector<update_stats> k_win, v_win;
+        std::vector<float> k_mean, k_hi, k_lo, v_hi, v_lo;
+        bool    warm = false;
+        std::vector<float> c; // offset in use (host copy)
+        // running round-trip error sums of the sampled K rows, without and with the offset,
+        // and the rows' energy
+        double  k_err_plain = 0.0, k_err_offset = 0.0, k_energy = 0.0;
+        double  v_err = 0.0, v_energy = 0.0;
+        int64_t n_rows_measured = 0;
+    };
+
+    void fold(layer_state & l, std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const;
+    void recompute(layer_state & l);
+    void measure(layer_state & l, const float * k_rows, size_t n_rows);
+    void write_offsets();
+    std::vector<std::vector<float>> adopt(const std::vector<std::vector<float>> & file, const std::vector<uint64_t> & cells,
+                                          bool replace);
+
+    llama_kvcomp_params params;
+    std::vector<layer_state> layers;
+    uint64_t n_updates = 0;
+    bool     pending_read = false; // the offsets were set in the last graph
+
+    // the last ubatch: how many rows its tap holds and which cells they went to
+    std::vector<uint64_t> tap_cells;
+
+    std::vector<ggml_tensor *> tap; // per layer: [n_embd_k_gqa, n_tap] F32, sampled raw K rows
+    std::vector<ggml_tensor *> off; // per layer: [n_embd_k_gqa] F32, the offset
+    ggml_tensor * calibrate = nullptr; // [1] F32: 1 while a ubatch sets the offsets from its rows
+
+    ggml_context *        ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+};
