@@ -77,10 +77,9 @@ class KvConfig:
 
     @property
     def label(self) -> str:
+        base: str = self.type_k if self.type_k == self.type_v else f"{self.type_k}/{self.type_v}"
         if self.mode is not None:
             base = self.mode
-        else:
-            base = self.type_k if self.type_k == self.type_v else f"{self.type_k}/{self.type_v}"
         return base + "".join(f":{letter}{value:g}" for letter, _, value in self._knobs())
 
     @property
@@ -122,7 +121,7 @@ class KvConfig:
                 values[field] = int(text)
             else:
                 values[field] = value
-        return replace(base, **values)
+        return replace(base, **values)  # type: ignore[arg-type]
 
 
 # The side-by-side set of the foundation run: upstream references first.

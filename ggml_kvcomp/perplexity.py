@@ -122,7 +122,8 @@ def parse_buffer_bpe(log: str, main_bpe: float) -> float:
 def parse_tracker_rmse(log: str) -> tuple[float, float]:
     """(RMSE, RMSE without offset) over every 'kvcomp: tracker:' line (one per cache),
     weighted by the rows each measured."""
-    lines = re.findall(r"kvcomp: tracker: K rows measured = (\d+), RMSE = ([\d.]+), RMSE without offset = ([\d.]+)", log)
+    lines = re.findall(r"kvcomp: tracker: K rows measured = (\d+), RMSE = ([\d.]+), "
+                       r"RMSE without offset = ([\d.]+)", log)
     n = sum(int(r) for r, _, _ in lines)
     if n == 0:
         return 0.0, 0.0

@@ -265,7 +265,8 @@ def test_mode_bad_combinations_are_refused(bins: Path, model: Path, text: Path, 
 
 
 def test_llama_bench_mode_needs_its_types(bins: Path, model: Path) -> None:
-    base = [str(bins / "llama-bench"), "-m", str(model), "-fa", "1", "-p", "0", "-n", "4", "-r", "1", "-t", "2", "-o", "json"]
+    base = [str(bins / "llama-bench"), "-m", str(model), "-fa", "1", "-p", "0", "-n", "4", "-r", "1", "-t", "2",
+            "-o", "json"]
     ok = subprocess.run([*base, *KvConfig.parse("balanced").tool_args()], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert json.loads(ok.stdout)[0]["avg_ts"] > 0

@@ -481,6 +481,9 @@ public:
 } // namespace
 
 ggml_tensor * llama_kvcomp_buffer::build_input_shift(const llama_kv_cache & kv, ggml_context * ctx0, llm_graph_result * res) {
+    if (tracker) {
+        tracker->resolve();
+    }
     shift_input = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, (int64_t) n_rows() * maps.size());
     ggml_set_input(shift_input);
     res->add_input(std::make_unique<llm_graph_input_kvcomp_shift>(kv, *this));

@@ -20,7 +20,7 @@ static uint32_t tap_stride(uint32_t n_tokens) {
 }
 
 llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params) : params(params) {
-    ggml_init_params ip = { (2 * descs.size() + 1) * ggml_tensor_overhead(), nullptr, true };
+    ggml_init_params ip = { (descs.size() + 1) * ggml_tensor_overhead(), nullptr, true };
     ctx = ggml_init(ip);
     if (!ctx) {
         throw std::runtime_error("kvcomp: failed to create the tracker context");
@@ -42,12 +42,10 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         l.k_win.resize(KVCOMP_WINDOW);
         l.v_win.resize(KVCOMP_WINDOW);
         l.c.assign(l.n_embd_k, 0.0f);
-        tap.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, l.n_embd_k, KVCOMP_TAP_ROWS));
-        off.push_back(ggml_new_tensor_1d(ctx, GGML_TYPE_F32, l.n_embd_k));
+        tap.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, l.n_embd_k, KVCOMP_TAP_ROWS + 1));
         ggml_format_name(tap.back(), "kvcomp_tap_l%u", kl.il);
-        ggml_format_name(off.back(), "kvcomp_off_l%u", kl.il);
     }
-    calibrate = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1);
+    calibrate = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, KVCOMP_TAP_ROWS + 1);
     ggml_set_name(calibrate, "kvcomp_calibrate");
 
     buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_buffer_get_type(descs[0].k->buffer));
@@ -56,6 +54,7 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         throw std::runtime_error("kvcomp: failed to allocate the tracker");
     }
     ggml_backend_buffer_clear(buf, 0);
+    set_weights(false, 1);
 }
 
 llama_kvcomp_tracker::~llama_kvcomp_tracker() {
@@ -89,19 +88,20 @@ ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor *
     ggml_tensor * sampled = ggml_view_2d(ctx0, cur, ne0, n_sample, cur->nb[1] * stride, 0);
     ggml_tensor * tapped  = ggml_cpy(ctx0, sampled, ggml_view_2d(ctx0, tap[ib], ne0, n_sample, tap[ib]->nb[1], 0));
 
-    // c + w·(mean - c): w = 1 only for a ubatch that sets the offset, so the offset lives in
-    // one persistent tensor and the graph has the same shape for every ubatch
-    ggml_tensor * mean = ggml_reshape_1d(ctx0, ggml_mean(ctx0, ggml_cont(ctx0, ggml_transpose(ctx0, tapped))), ne0);
-    ggml_tensor * c    = ggml_add(ctx0, off[ib], ggml_mul(ctx0, ggml_sub(ctx0, mean, off[ib]), calibrate));
-    c = ggml_cpy(ctx0, c, off[ib]);
-    return ggml_sub(ctx0, cur, c);
+    // The tap's last row holds the offset. c = Σ_r tap_r · w_r: w picks that row, or, for a
+    // ubatch that sets the offset, weighs the sampled rows 1/n (their mean; the host then
+    // stores the same mean in the last row). One graph shape for every ubatch and few nodes:
+    // the graph's node budget is upstream's. The view of the whole tap hangs on the copy, so
+    // it is read after the copy.
+    ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, KVCOMP_TAP_ROWS + 1, tap[ib]->nb[1], 0);
+    return ggml_sub(ctx0, cur, ggml_out_prod(ctx0, all, calibrate));
 }
 
 ggml_tensor * llama_kvcomp_tracker::add_offset(ggml_context * ctx0, ggml_tensor * rows, int32_t ib, float sign) const {
     const layer_state & l = layers[ib];
     // rows: [n_rot, n_head_kv, n_cells] over the first n_rot values of each head
-    ggml_tensor * c = ggml_cont(ctx0, ggml_view_3d(ctx0, off[ib], rows->ne[0], rows->ne[1], 1,
-            l.n_embd_head_k * sizeof(float), l.n_embd_k * sizeof(float), 0));
+    ggml_tensor * c = ggml_cont(ctx0, ggml_view_3d(ctx0, tap[ib], rows->ne[0], rows->ne[1], 1,
+            l.n_embd_head_k * sizeof(float), l.n_embd_k * sizeof(float), KVCOMP_TAP_ROWS * tap[ib]->nb[1]));
     return sign > 0.0f ? ggml_add(ctx0, rows, c) : ggml_sub(ctx0, rows, c);
 }
 
@@ -255,20 +255,50 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
     l.n_rows_measured += (int64_t) n_rows;
 }
 
-void llama_kvcomp_tracker::write_offsets() {
+void llama_kvcomp_tracker::write_offsets() const {
     for (size_t ib = 0; ib < layers.size(); ++ib) {
-        ggml_backend_tensor_set(off[ib], layers[ib].c.data(), 0, ggml_nbytes(off[ib]));
+        ggml_backend_tensor_set(tap[ib], layers[ib].c.data(), KVCOMP_TAP_ROWS * tap[ib]->nb[1], tap[ib]->nb[1]);
     }
 }
 
-void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empty) {
-    if (pending_read) {
-        // the last ubatch set the offsets in its graph
-        for (size_t ib = 0; ib < layers.size(); ++ib) {
-            ggml_backend_tensor_get(off[ib], layers[ib].c.data(), 0, ggml_nbytes(off[ib]));
-        }
-        pending_read = false;
+void llama_kvcomp_tracker::set_weights(bool calibrating, uint32_t n_sample) {
+    if (calibrating == w_calibrating && (!calibrating || n_sample == w_n_sample)) {
+        return;
     }
+    std::vector<float> w(KVCOMP_TAP_ROWS + 1, 0.0f);
+    if (calibrating) {
+        std::fill(w.begin(), w.begin() + n_sample, 1.0f / (float) n_sample);
+    } else {
+        w[KVCOMP_TAP_ROWS] = 1.0f;
+    }
+    ggml_backend_tensor_set(calibrate, w.data(), 0, ggml_nbytes(calibrate));
+    w_calibrating = calibrating;
+    w_n_sample    = n_sample;
+}
+
+void llama_kvcomp_tracker::resolve() const {
+    if (pending_read && !tap_cells.empty()) {
+        // the last ubatch's graph took the mean of its sampled rows as the offset: keep it
+        std::vector<float> rows;
+        for (size_t ib = 0; ib < layers.size(); ++ib) {
+            layer_state & l = layers[ib];
+            rows.resize(tap_cells.size() * l.n_embd_k);
+            ggml_backend_tensor_get(tap[ib], rows.data(), 0, rows.size() * sizeof(float));
+            for (int64_t i = 0; i < l.n_embd_k; ++i) {
+                float s = 0.0f;
+                for (size_t r = 0; r < tap_cells.size(); ++r) {
+                    s += rows[r * l.n_embd_k + i] * (1.0f / (float) tap_cells.size());
+                }
+                l.c[i] = s;
+            }
+        }
+        write_offsets();
+    }
+    pending_read = false;
+}
+
+void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empty) {
+    resolve();
     if (!tap_cells.empty() && params.tracker) {
         const bool measure_now = n_updates % KVCOMP_RECOMPUTE == 0;
         std::vector<float> rows, vrows;
@@ -306,13 +336,15 @@ void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empt
         }
     }
 
-    float w = 0.0f;
+    const uint32_t stride   = tap_stride((uint32_t) cells.size());
+    const uint32_t n_sample = ((uint32_t) cells.size() + stride - 1) / stride;
+    bool calibrating = false;
     if (empty) {
         // the cache starts over: the smoothed mean when there is one, else this ubatch's rows;
         // with the tracker switched off, no offset
         const bool warm = std::all_of(layers.begin(), layers.end(), [](const layer_state & l) { return l.warm; });
         if (params.tracker && !warm) {
-            w = 1.0f;
+            calibrating = true;
         } else {
             for (auto & l : layers) {
                 if (params.tracker) {
@@ -324,10 +356,9 @@ void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empt
             write_offsets();
         }
     }
-    ggml_backend_tensor_set(calibrate, &w, 0, sizeof(w));
-    pending_read = w > 0.0f;
+    set_weights(calibrating, n_sample);
+    pending_read = calibrating;
 
-    const uint32_t stride = tap_stride((uint32_t) cells.size());
     tap_cells.clear();
     for (size_t i = 0; i < cells.size(); i += stride) {
         tap_cells.push_back(cells[i]);
@@ -335,6 +366,7 @@ void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empt
 }
 
 void llama_kvcomp_tracker::state_write(llama_io_write_i & io) const {
+    resolve();
     const uint32_t n = (uint32_t) layers.size();
     io.write(&n, sizeof(n));
     for (const auto & l : layers) {
@@ -436,6 +468,7 @@ std::vector<std::vector<float>> llama_kvcomp_tracker::adopt(const std::vector<st
 }
 
 void llama_kvcomp_tracker::get_layer_stats(int32_t ib, llama_kvcomp_layer_stats & st) const {
+    resolve();
     const layer_state & l = layers[ib];
     st.n_rows     = l.n_rows_measured;
     st.alpha      = l.alpha;

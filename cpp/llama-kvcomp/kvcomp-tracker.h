@@ -44,6 +44,10 @@ struct llama_kvcomp_tracker {
     // the cache holds.
     void update(const std::vector<uint64_t> & cells, bool empty);
 
+    // after a ubatch that set the offsets in its graph: the host copy and the tap's offset row
+    // take the same mean (called before anything reads either)
+    void resolve() const;
+
     // around a RoPE shift of stored K rows: rows + c before, rows - c after
     ggml_tensor * add_offset(ggml_context * ctx, ggml_tensor * rows, int32_t ib, float sign) const;
 
@@ -90,21 +94,24 @@ private:
     void fold(layer_state & l, std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const;
     void recompute(layer_state & l);
     void measure(layer_state & l, const float * k_rows, size_t n_rows);
-    void write_offsets();
+    void write_offsets() const;
+    void set_weights(bool calibrating, uint32_t n_sample);
     std::vector<std::vector<float>> adopt(const std::vector<std::vector<float>> & file, const std::vector<uint64_t> & cells,
                                           bool replace);
 
     llama_kvcomp_params params;
-    std::vector<layer_state> layers;
+    // (mutable: resolve() completes the host copy of what the last graph computed)
+    mutable std::vector<layer_state> layers;
     uint64_t n_updates = 0;
-    bool     pending_read = false; // the offsets were set in the last graph
+    mutable bool pending_read = false; // the offsets were set in the last graph
+    bool     w_calibrating = true; // what `calibrate` holds
+    uint32_t w_n_sample = 0;
 
     // the last ubatch: how many rows its tap holds and which cells they went to
     std::vector<uint64_t> tap_cells;
 
-    std::vector<ggml_tensor *> tap; // per layer: [n_embd_k_gqa, n_tap] F32, sampled raw K rows
-    std::vector<ggml_tensor *> off; // per layer: [n_embd_k_gqa] F32, the offset
-    ggml_tensor * calibrate = nullptr; // [1] F32: 1 while a ubatch sets the offsets from its rows
+    std::vector<ggml_tensor *> tap; // per layer: [n_embd_k_gqa, n_tap + 1] F32, sampled raw K rows, then the offset
+    ggml_tensor * calibrate = nullptr; // [1, n_tap + 1] F32: the weights that make the offset from the tap's rows
 
     ggml_context *        ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;

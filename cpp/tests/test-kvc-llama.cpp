@@ -268,6 +268,17 @@ std::vector<std::vector<float>> decode_multi(llama_context * ctx, const std::vec
     return out;
 }
 
+// 64 tokens, then the first 16 removed and the rest shifted down (a context shift); the
+// logits of the next token.
+std::vector<float> decode_shifted(llama_context * ctx, const std::vector<llama_token> & toks) {
+    decode(ctx, toks, 0, 64, 64);
+    llama_memory_t mem = llama_get_memory(ctx);
+    llama_memory_seq_rm(mem, 0, 0, 16);
+    llama_memory_seq_add(mem, 0, 16, -1, -16);
+    std::vector<llama_token> next(toks.begin() + 16, toks.begin() + 65);
+    return decode(ctx, next, 48, 49, 1);
+}
+
 // The residual buffer (docs/design-residual-buffer.md) on a kvc4 cache.
 //
 // Upstream's CPU flash attention has three kernels for F32 keys: tiled (>= 64 queries),
@@ -406,14 +417,7 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
     }
     // context shift: with every key exact, the shifted slot rows must rotate like f16's keys
     {
-        auto shifted = [&](llama_context * ctx) {
-            decode(ctx, toks, 0, 64, 64);
-            llama_memory_t mem = llama_get_memory(ctx);
-            llama_memory_seq_rm(mem, 0, 0, 16);
-            llama_memory_seq_add(mem, 0, 16, -1, -16);
-            std::vector<llama_token> next(toks.begin() + 16, toks.begin() + 65);
-            return decode(ctx, next, 48, 49, 1);
-        };
+        auto shifted = [&](llama_context * ctx) { return decode_shifted(ctx, toks); };
         std::vector<float> ref, plain_shift, buf_shift;
         llama_kvcomp_stats st = {};
         {
@@ -568,8 +572,11 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
     // softmax cancels a key offset shared by all keys: on an f16 cache only rounding is left
     {
         const std::vector<float> f16_trk = decode_fresh(make_buffered_ctx(model, trk, GGML_TYPE_F16), toks, n, n);
-        rep.check(!f16_trk.empty() && rel_diff(f16_trk, f16) <= 1e-2, "tracker: the K offset is invisible on an f16 cache: %.2e <= 1e-2",
-            rel_diff(f16_trk, f16));
+        // (an offset that attention saw would move the logits as much as the offset is large:
+        // 62% of K's energy)
+        const double kl = kl_div(f16, f16_trk);
+        rep.check(!f16_trk.empty() && kl <= 0.05 * kl_plain, "tracker: the K offset is invisible on an f16 cache: KL %.2e <= 0.05 x plain kvc4's %.2e",
+            kl, kl_plain);
     }
     {
         ctx_ptr c{ make_buffered_ctx(model, trk) };
@@ -590,14 +597,7 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
     }
     // a context shift puts the offset back around RoPE, on the main rows and on the slots
     {
-        auto shifted = [&](llama_context * ctx) {
-            decode(ctx, toks, 0, 64, 64);
-            llama_memory_t mem = llama_get_memory(ctx);
-            llama_memory_seq_rm(mem, 0, 0, 16);
-            llama_memory_seq_add(mem, 0, 16, -1, -16);
-            std::vector<llama_token> next(toks.begin() + 16, toks.begin() + 65);
-            return decode(ctx, next, 48, 49, 1);
-        };
+        auto shifted = [&](llama_context * ctx) { return decode_shifted(ctx, toks); };
         std::vector<float> ref, on_f16, on_slots;
         {
             ctx_ptr c{ make_ctx(model, GGML_TYPE_F16) };
@@ -613,8 +613,11 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
             ctx_ptr c{ make_buffered_ctx(model, p) };
             on_slots = shifted(c.ctx);
         }
-        rep.check(!on_f16.empty() && rel_diff(on_f16, ref) <= 1e-2 && !on_slots.empty() && rel_diff(on_slots, ref) <= 3e-2,
-            "tracker: after a context shift, f16 cache %.2e <= 1e-2, kvc4 with every key in a slot %.2e <= 3e-2",
+        // With the offset left out of the RoPE the f16 cache lands at 1.4e-1 on this max-logit
+        // metric; done right it is within f16's own spread across kernels and roundings (the
+        // K rows are stored as k - c, so they round differently).
+        rep.check(!on_f16.empty() && rel_diff(on_f16, ref) <= 6e-2 && !on_slots.empty() && rel_diff(on_slots, ref) <= 3e-2,
+            "tracker: after a context shift, f16 cache %.2e <= 6e-2, kvc4 with every key in a slot %.2e <= 3e-2",
             rel_diff(on_f16, ref), rel_diff(on_slots, ref));
     }
     // state: whole context bit-exact; a sequence loaded beside other tokens (other offsets) is
