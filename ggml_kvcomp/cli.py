@@ -59,6 +59,13 @@ def _emit(args: argparse.Namespace, argv: Sequence[str], table: str, rows: list[
         report.replace_section(Path(args.results), section, body)
 
 
+def _section_suffix(configs: Sequence[KvConfig]) -> str:
+    """Runs of modes or the tracker, of the buffer, and of plain types keep separate sections."""
+    if any(c.mode is not None or c.tracker for c in configs):
+        return "-modes"
+    return "-buffer" if any(c.buffered for c in configs) else ""
+
+
 def cmd_kld(args: argparse.Namespace, argv: Sequence[str]) -> int:
     settings = perplexity.RunSettings(
         model=models.fetch_model(args.model), corpus=corpus.corpus_file(),
@@ -70,7 +77,7 @@ def cmd_kld(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"kvcomp kld: {cfg.label} ...", file=sys.stderr, flush=True)
         results.append(perplexity.run_kld(cfg, settings))
     heading = f"KLD vs f16 KV, {args.model}, ctx {args.ctx}, {args.chunks} chunks, {args.threads} threads"
-    section = f"kld-{args.model}-ctx{args.ctx}" + ("-buffer" if any(c.buffered for c in configs) else "")
+    section = f"kld-{args.model}-ctx{args.ctx}" + _section_suffix(configs)
     _emit(args, argv, report.kld_table(results), [r.as_dict() for r in results],
           section, heading, f"corpus `{settings.corpus.name}`, ")
     return 0
@@ -84,7 +91,7 @@ def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"kvcomp bench: {cfg.label} ...", file=sys.stderr, flush=True)
         results.extend(bench.run_bench(cfg, model, args.depths, args.n_gen, args.threads, args.reps))
     heading = f"Decode speed, {args.model}, llama-bench -fa 1 -n {args.n_gen}, {args.threads} threads"
-    section = f"bench-{args.model}" + ("-buffer" if any(c.buffered for c in configs) else "")
+    section = f"bench-{args.model}" + _section_suffix(configs)
     _emit(args, argv, bench.bench_table(results), [asdict(r) for r in results], section, heading, "")
     return 0
 
@@ -107,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS))
-        sp.add_argument("--configs", help="comma-separated K/V types, 'k/v' for a mixed pair, residual-buffer "
-                        "knobs as ':w32' window, ':s4' sinks, ':n8' merge interval, ':p0.1' pin threshold, "
-                        "':b2' pin budget (%%) "
+        sp.add_argument("--configs", help="comma-separated K/V types, 'k/v' for a mixed pair, or a mode "
+                        "(off, low-latency, balanced, high-precision); knobs as ':w32' window, ':s4' sinks, "
+                        "':n8' merge interval, ':p0.1' pin threshold, ':b2' pin budget (%%), ':t1' scale tracker "
                         "(default: f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,kvc2,kvc8/kvc4)")
         sp.add_argument("--threads", type=_positive, default=2)
         sp.add_argument("--json", help="also write the results as JSON to this file")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import subprocess
 from dataclasses import asdict, dataclass
@@ -40,8 +41,10 @@ class KldResult:
     kld_mean_err: float
     kld_p99: float
     same_top_p: float
-    # K round-trip RMSE the scale tracker measured, with its offset and without (0: no tracker)
+    # K round-trip RMSE the scale tracker measured: as stored (offset and channel scales), with
+    # the offset alone, and as the rows came (0: no tracker)
     k_rmse: float = 0.0
+    k_rmse_offset: float = 0.0
     k_rmse_plain: float = 0.0
 
     @property
@@ -119,23 +122,27 @@ def parse_buffer_bpe(log: str, main_bpe: float) -> float:
     return buf / main * main_bpe if main > 0 else 0.0
 
 
-def parse_tracker_rmse(log: str) -> tuple[float, float]:
-    """(RMSE, RMSE without offset) over every 'kvcomp: tracker:' line (one per cache),
-    weighted by the rows each measured."""
+def parse_tracker_rmse(log: str) -> tuple[float, float, float]:
+    """(as stored, offset only, plain) K RMSE over every 'kvcomp: tracker:' line (one per
+    cache), weighted by the rows each measured; zeros without a tracker."""
     lines = re.findall(r"kvcomp: tracker: K rows measured = (\d+), RMSE = ([\d.]+), "
-                       r"RMSE without offset = ([\d.]+)", log)
-    n = sum(int(r) for r, _, _ in lines)
+                       r"RMSE offset only = ([\d.]+), RMSE plain = ([\d.]+)", log)
+    n = sum(int(line[0]) for line in lines)
     if n == 0:
-        return 0.0, 0.0
-    mse = sum(int(r) * float(a) ** 2 for r, a, _ in lines) / n
-    mse_plain = sum(int(r) * float(b) ** 2 for r, _, b in lines) / n
-    return mse ** 0.5, mse_plain ** 0.5
+        return 0.0, 0.0, 0.0
+
+    def pooled(col: int) -> float:
+        mse: float = sum(int(line[0]) * float(line[col]) ** 2 for line in lines) / n
+        return math.sqrt(mse)
+
+    return pooled(1), pooled(2), pooled(3)
 
 
 def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
     kld = re.search(r"^Mean\s+KLD:\s*([\d.eE+-]+)\s*±\s*([\d.eE+-]+)", log, re.MULTILINE)
     if not kld:
         raise ValueError("llama-perplexity output lacks 'Mean KLD'")
+    rmse = parse_tracker_rmse(log)
     return KldResult(
         label=label,
         type_k=cfg.type_k,
@@ -150,8 +157,9 @@ def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
         kld_mean_err=float(kld.group(2)),
         kld_p99=_number(r"^99\.0%\s+KLD:\s*([\d.eE+-]+)", log),
         same_top_p=_number(r"^Same top p:\s*([\d.]+)", log),
-        k_rmse=parse_tracker_rmse(log)[0],
-        k_rmse_plain=parse_tracker_rmse(log)[1],
+        k_rmse=rmse[0],
+        k_rmse_offset=rmse[1],
+        k_rmse_plain=rmse[2],
     )
 
 

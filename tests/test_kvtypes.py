@@ -91,3 +91,15 @@ def test_mode_spec_overrides() -> None:
 def test_unknown_mode_is_refused(name: str) -> None:
     with pytest.raises(ValueError, match="unknown"):
         mode_preset(name)  # type: ignore[arg-type]
+
+
+def test_tracker_rmse_pools_every_cache() -> None:
+    log = ("kvcomp: tracker: K rows measured = 100, RMSE = 0.3, RMSE offset only = 0.4, RMSE plain = 0.5, "
+           "row RMS = 2.0\n"
+           "kvcomp: tracker: K rows measured = 300, RMSE = 0.1, RMSE offset only = 0.2, RMSE plain = 0.3, "
+           "row RMS = 2.0\n")
+    stored, offset, plain = perplexity.parse_tracker_rmse(log)
+    assert stored == pytest.approx(((100 * 0.09 + 300 * 0.01) / 400) ** 0.5)
+    assert offset == pytest.approx(((100 * 0.16 + 300 * 0.04) / 400) ** 0.5)
+    assert plain == pytest.approx(((100 * 0.25 + 300 * 0.09) / 400) ** 0.5)
+    assert perplexity.parse_tracker_rmse("no tracker") == (0.0, 0.0, 0.0)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ggml_kvcomp import perplexity, steps
+from ggml_kvcomp import models, perplexity, steps
 from ggml_kvcomp.capi import MODE_NAMES, mode_preset
 from ggml_kvcomp.kvtypes import BITS_PER_ELEMENT, KNOBS, KVC_TYPES, KvConfig
 
@@ -273,3 +273,14 @@ def test_llama_bench_mode_needs_its_types(bins: Path, model: Path) -> None:
     bad = subprocess.run([*base, "--kv-comp", "balanced"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0
     assert "--kv-comp balanced runs on -ctk kvc4 -ctv kvc3" in _log(bad)
+
+
+def test_modes_on_a_sliding_window_model(text: Path) -> None:
+    # Gemma 3 keeps two caches (full and sliding-window layers): both get the buffer and the tracker
+    settings = perplexity.RunSettings(model=models.fetch_model("gemma3-270m"), corpus=text, ctx=512, chunks=2)
+    plain = perplexity.run_kld(KvConfig.parse("kvc4"), settings)
+    balanced = perplexity.run_kld(KvConfig.parse("balanced"), settings)
+    low = perplexity.run_kld(KvConfig.parse("low-latency"), settings)
+    assert balanced.bpe_buffer > 0 and low.bpe_buffer == 0
+    assert low.k_rmse < low.k_rmse_plain
+    assert balanced.kld_mean < plain.kld_mean

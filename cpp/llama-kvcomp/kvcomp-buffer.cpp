@@ -49,14 +49,17 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     }
 
     int32_t max_il = 0;
-    for (const auto & l : kv.layers) {
-        max_il = std::max(max_il, (int32_t) l.il);
+    for (const auto & [il, ikv] : kv.map_layer_ids) {
+        max_il = std::max(max_il, il);
     }
     layer_of_il.assign(max_il + 1, -1);
+    // layers that reuse another layer's cache read its slots and its transform
+    for (const auto & [il, ikv] : kv.map_layer_ids) {
+        layer_of_il[il] = ikv;
+    }
 
     // one more row per stream, never attended: where a token without a slot writes its row
     for (const auto & l : kv.layers) {
-        layer_of_il[l.il] = (int32_t) k_buf.size();
         k_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.k->ne[0], (int64_t) n_rows() * kv.n_stream));
         v_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.v->ne[0], (int64_t) n_rows() * kv.n_stream));
         ggml_format_name(k_buf.back(), "kvcomp_k_l%u", l.il);
@@ -490,19 +493,19 @@ ggml_tensor * llama_kvcomp_buffer::build_input_shift(const llama_kv_cache & kv, 
     return shift_input;
 }
 
-// Stored K rows (a [n_rot, n_head_kv, n_rows] view) moved by RoPE: put the offset back,
-// unrotate, RoPE in F32 (upstream's own shift of an unquantized cache), rotate, remove the
-// offset, store.
+// Stored K rows (a [n_rot, n_head_kv, n_rows] view) moved by RoPE: undo the tracker's
+// transform, unrotate, RoPE in F32 (upstream's own shift of an unquantized cache), rotate,
+// transform again, store.
 ggml_tensor * llama_kvcomp_buffer::shift_rows(const llama_kv_cache & kv, ggml_context * ctx0, const llama_cparams & cparams,
                                               ggml_tensor * view, ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors,
                                               float freq_base, float freq_scale, uint32_t il) const {
     const int32_t ib = layer_of_il[il];
     ggml_tensor * tmp = ggml_cast(ctx0, view, GGML_TYPE_F32);
-    tmp = tracker ? tracker->add_offset(ctx0, tmp, ib, 1.0f) : tmp;
+    tmp = tracker ? tracker->unstore(ctx0, tmp, ib, false) : tmp;
     tmp = rot ? llama_mul_mat_hadamard(ctx0, tmp, rot) : tmp;
     tmp = kv.build_rope_shift(cparams, ctx0, tmp, shift, nullptr, factors, freq_base, freq_scale, il);
     tmp = rot ? llama_mul_mat_hadamard(ctx0, tmp, rot) : tmp;
-    tmp = tracker ? tracker->add_offset(ctx0, tmp, ib, -1.0f) : tmp;
+    tmp = tracker ? tracker->unstore(ctx0, tmp, ib, true) : tmp;
     return ggml_cpy(ctx0, tmp, view);
 }
 
@@ -601,7 +604,7 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
             const int32_t c = m.slot_cell[s];
             bool restored = seq_id == -1;
             for (const auto & si : sinfos) {
-                restored = restored || (!si.empty() && si.strm[0] == strm &&
+                restored = restored || (!si.empty() && (uint32_t) si.strm[0] == strm &&
                                         std::find(si.idxs[0].begin(), si.idxs[0].end(), (uint32_t) c) != si.idxs[0].end());
             }
             if (c >= 0 && restored) {
@@ -645,9 +648,9 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
             throw std::runtime_error(has_tracker > 1 ? "tracker flag is corrupted" :
                                      "the state was saved with the scale tracker on; this context has none");
         }
-        std::vector<std::vector<float>> delta;
+        std::vector<llama_kvcomp_tracker::affine> moved;
         if (tracker) {
-            delta = tracker->state_read(io, restored_cells, seq_id == -1 || n_used <= restored_cells.size(), has_tracker != 0);
+            moved = tracker->state_read(io, restored_cells, seq_id == -1 || n_used <= restored_cells.size(), has_tracker != 0);
         }
 
         for (uint32_t si = 0; si < header[6]; ++si) {
@@ -701,8 +704,8 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
                         io.read_tensor(t, r * t->nb[1], t->nb[1]);
                     }
                 }
-                if (!delta.empty()) {
-                    llama_kvcomp_tracker::reencode(k_buf[ib], rows, delta[ib]);
+                if (!moved.empty()) {
+                    llama_kvcomp_tracker::reencode(k_buf[ib], rows, moved[ib]);
                 }
             }
             const auto & cells = kv.v_cells[strm];
@@ -776,6 +779,10 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
     return 0;
 }
 
+
+ggml_tensor * llama_kvcomp_buffer::scale_q(ggml_context * ctx0, ggml_tensor * q, int32_t il) const {
+    return tracker ? tracker->scale_q(ctx0, q, layer_of_il[il]) : q;
+}
 
 bool llama_kvcomp_buffer::get_layer_stats(int32_t il, llama_kvcomp_layer_stats & st) const {
     if (!tracker || il < 0 || il >= (int32_t) layer_of_il.size() || layer_of_il[il] < 0) {

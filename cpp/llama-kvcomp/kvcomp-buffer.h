@@ -70,6 +70,9 @@ struct llama_kvcomp_buffer {
     // the get() of the same layer in the same graph); `idxs` holds main rows then slot rows.
     ggml_tensor * cpy(ggml_context * ctx, ggml_tensor * cache, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_k) const;
 
+    // Q as attention must see it for the tracker's stored K (q itself without a tracker)
+    ggml_tensor * scale_q(ggml_context * ctx, ggml_tensor * q, int32_t il) const;
+
     // [main view ; slots ; current ubatch], as F32, along the cell dimension.
     ggml_tensor * get(ggml_context * ctx, ggml_tensor * main_view, int32_t il, bool is_k) const;
 

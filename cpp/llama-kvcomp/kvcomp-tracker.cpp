@@ -14,6 +14,13 @@ static constexpr uint32_t KVCOMP_TAP_ROWS = 32;
 static constexpr uint32_t KVCOMP_WINDOW   = 32;
 static constexpr uint32_t KVCOMP_RECOMPUTE = 8;
 static constexpr double   KVCOMP_QUANTILE = 0.999;
+// rows of the tap after the samples: the offset c, 1/s and the channel scales s
+static constexpr uint32_t KVCOMP_ROW_C     = KVCOMP_TAP_ROWS;
+static constexpr uint32_t KVCOMP_ROW_INV_S = KVCOMP_TAP_ROWS + 1;
+static constexpr uint32_t KVCOMP_ROW_S     = KVCOMP_TAP_ROWS + 2;
+// a channel's scale stays within this factor of 1, so a dead or wild channel cannot take
+// the block's precision
+static constexpr float    KVCOMP_SCALE_MAX = 8.0f;
 
 static uint32_t tap_stride(uint32_t n_tokens) {
     return (n_tokens + KVCOMP_TAP_ROWS - 1) / KVCOMP_TAP_ROWS;
@@ -42,7 +49,8 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         l.k_win.resize(KVCOMP_WINDOW);
         l.v_win.resize(KVCOMP_WINDOW);
         l.c.assign(l.n_embd_k, 0.0f);
-        tap.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, l.n_embd_k, KVCOMP_TAP_ROWS + 1));
+        l.s.assign(l.n_embd_k, 1.0f);
+        tap.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, l.n_embd_k, KVCOMP_ROW_S + 1));
         ggml_format_name(tap.back(), "kvcomp_tap_l%u", kl.il);
     }
     calibrate = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, KVCOMP_TAP_ROWS + 1);
@@ -54,23 +62,26 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         throw std::runtime_error("kvcomp: failed to allocate the tracker");
     }
     ggml_backend_buffer_clear(buf, 0);
+    write_offsets();
     set_weights(false, 1);
 }
 
 llama_kvcomp_tracker::~llama_kvcomp_tracker() {
     // the tracker's measurement of the whole run, for `kvcomp kld` (docs/results.md)
-    double err = 0.0, err_plain = 0.0, energy = 0.0;
+    double err = 0.0, err_offset = 0.0, err_plain = 0.0, energy = 0.0;
     int64_t n_rows = 0, n_values = 0;
     for (const auto & l : layers) {
-        err       += l.k_err_offset;
-        err_plain += l.k_err_plain;
-        energy    += l.k_energy;
-        n_rows    += l.n_rows_measured;
-        n_values  += l.n_rows_measured * l.n_embd_k;
+        err        += l.k_err;
+        err_offset += l.k_err_offset;
+        err_plain  += l.k_err_plain;
+        energy     += l.k_energy;
+        n_rows     += l.n_rows_measured;
+        n_values   += l.n_rows_measured * l.n_embd_k;
     }
     if (n_values > 0) {
-        LLAMA_LOG_INFO("kvcomp: tracker: K rows measured = %lld, RMSE = %.6f, RMSE without offset = %.6f, row RMS = %.6f\n",
-                (long long) n_rows, std::sqrt(err / n_values), std::sqrt(err_plain / n_values), std::sqrt(energy / n_values));
+        LLAMA_LOG_INFO("kvcomp: tracker: K rows measured = %lld, RMSE = %.6f, RMSE offset only = %.6f, RMSE plain = %.6f, "
+                "row RMS = %.6f\n", (long long) n_rows, std::sqrt(err / n_values), std::sqrt(err_offset / n_values),
+                std::sqrt(err_plain / n_values), std::sqrt(energy / n_values));
     }
     ggml_backend_buffer_free(buf);
     ggml_free(ctx);
@@ -88,21 +99,39 @@ ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor *
     ggml_tensor * sampled = ggml_view_2d(ctx0, cur, ne0, n_sample, cur->nb[1] * stride, 0);
     ggml_tensor * tapped  = ggml_cpy(ctx0, sampled, ggml_view_2d(ctx0, tap[ib], ne0, n_sample, tap[ib]->nb[1], 0));
 
-    // The tap's last row holds the offset. c = Σ_r tap_r · w_r: w picks that row, or, for a
-    // ubatch that sets the offset, weighs the sampled rows 1/n (their mean; the host then
-    // stores the same mean in the last row). One graph shape for every ubatch and few nodes:
-    // the graph's node budget is upstream's. The view of the whole tap hangs on the copy, so
-    // it is read after the copy.
-    ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, KVCOMP_TAP_ROWS + 1, tap[ib]->nb[1], 0);
-    return ggml_sub(ctx0, cur, ggml_out_prod(ctx0, all, calibrate));
+    // c = Σ_r tap_r · w_r over the samples and the offset row: w picks the offset row, or, for
+    // a ubatch that sets the offset, weighs the samples 1/n (their mean; the host then stores
+    // the same mean in the offset row). One graph shape for every ubatch and few nodes: the
+    // graph's node budget is upstream's. The view hangs on the copy, so it is read after it.
+    ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, KVCOMP_ROW_C + 1, tap[ib]->nb[1], 0);
+    ggml_tensor * inv_s = ggml_view_1d(ctx0, tap[ib], ne0, KVCOMP_ROW_INV_S * tap[ib]->nb[1]);
+    return ggml_mul(ctx0, ggml_sub(ctx0, cur, ggml_out_prod(ctx0, all, calibrate)), inv_s);
 }
 
-ggml_tensor * llama_kvcomp_tracker::add_offset(ggml_context * ctx0, ggml_tensor * rows, int32_t ib, float sign) const {
+ggml_tensor * llama_kvcomp_tracker::scale_q(ggml_context * ctx0, ggml_tensor * q, int32_t ib) const {
+    const layer_state & l = layers[ib];
+    // q: [head size, n_head, n_tokens]; query head h reads KV head h / (n_head / n_head_kv)
+    const int64_t d = q->ne[0], n_head = q->ne[1], n_tok = q->ne[2];
+    const int64_t n_head_kv = l.n_embd_k / l.n_embd_head_k;
+    GGML_ASSERT(d == l.n_embd_head_k && n_head % n_head_kv == 0);
+    q = ggml_is_contiguous(q) ? q : ggml_cont(ctx0, q);
+    ggml_tensor * s = ggml_view_4d(ctx0, tap[ib], d, 1, n_head_kv, 1, d * sizeof(float), d * sizeof(float),
+            l.n_embd_k * sizeof(float), KVCOMP_ROW_S * tap[ib]->nb[1]);
+    ggml_tensor * q4 = ggml_reshape_4d(ctx0, q, d, n_head / n_head_kv, n_head_kv, n_tok);
+    return ggml_reshape_3d(ctx0, ggml_mul(ctx0, q4, s), d, n_head, n_tok);
+}
+
+ggml_tensor * llama_kvcomp_tracker::unstore(ggml_context * ctx0, ggml_tensor * rows, int32_t ib, bool back) const {
     const layer_state & l = layers[ib];
     // rows: [n_rot, n_head_kv, n_cells] over the first n_rot values of each head
-    ggml_tensor * c = ggml_cont(ctx0, ggml_view_3d(ctx0, tap[ib], rows->ne[0], rows->ne[1], 1,
-            l.n_embd_head_k * sizeof(float), l.n_embd_k * sizeof(float), KVCOMP_TAP_ROWS * tap[ib]->nb[1]));
-    return sign > 0.0f ? ggml_add(ctx0, rows, c) : ggml_sub(ctx0, rows, c);
+    const auto row = [&](uint32_t r) {
+        return ggml_cont(ctx0, ggml_view_3d(ctx0, tap[ib], rows->ne[0], rows->ne[1], 1,
+                l.n_embd_head_k * sizeof(float), l.n_embd_k * sizeof(float), r * tap[ib]->nb[1]));
+    };
+    if (back) {
+        return ggml_mul(ctx0, ggml_sub(ctx0, rows, row(KVCOMP_ROW_C)), row(KVCOMP_ROW_INV_S));
+    }
+    return ggml_add(ctx0, ggml_mul(ctx0, rows, row(KVCOMP_ROW_S)), row(KVCOMP_ROW_C));
 }
 
 void llama_kvcomp_tracker::fold(layer_state & l, std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const {
@@ -230,11 +259,12 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
     const int64_t n = l.n_embd_k;
     std::vector<uint8_t> q(k_main->nb[1]);
     std::vector<float> x(n), y(n);
+    // pass 0: as the rows came; 1: as stored (offset and channel scales); 2: offset only
     for (size_t r = 0; r < n_rows; ++r) {
         const float * raw = k_rows + r * n;
-        for (int pass = 0; pass < 2; ++pass) {
+        for (int pass = 0; pass < 3; ++pass) {
             for (int64_t i = 0; i < n; ++i) {
-                x[i] = raw[i] - (pass ? l.c[i] : 0.0f);
+                x[i] = (raw[i] - (pass ? l.c[i] : 0.0f)) / (pass == 1 ? l.s[i] : 1.0f);
             }
             if (k_main->type == GGML_TYPE_F32) {
                 y = x;
@@ -244,9 +274,10 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
             }
             double e = 0.0;
             for (int64_t i = 0; i < n; ++i) {
-                e += (double) (x[i] - y[i]) * (x[i] - y[i]);
+                const double d = (double) (x[i] - y[i]) * (pass == 1 ? l.s[i] : 1.0f);
+                e += d * d;
             }
-            (pass ? l.k_err_offset : l.k_err_plain) += e;
+            (pass == 0 ? l.k_err_plain : pass == 1 ? l.k_err : l.k_err_offset) += e;
         }
         for (int64_t i = 0; i < n; ++i) {
             l.k_energy += (double) raw[i] * raw[i];
@@ -255,9 +286,34 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
     l.n_rows_measured += (int64_t) n_rows;
 }
 
+// Each K channel is divided by s_i = h_i / mean(h), h_i its smoothed half-range about the
+// offset, so the channels of a quantization block have alike ranges; attention multiplies Q
+// by s (scale_q), which gives back q·k exactly.
+void llama_kvcomp_tracker::set_scales(layer_state & l) const {
+    const int64_t n = l.n_embd_k;
+    std::vector<double> h(n);
+    double mean = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+        h[i] = std::max(l.k_hi[i] - l.c[i], l.c[i] - l.k_lo[i]);
+        mean += h[i] / (double) n;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        const double si = mean > 0.0 && h[i] > 0.0 && std::isfinite(h[i]) ? h[i] / mean : 1.0;
+        l.s[i] = (float) std::min<double>(KVCOMP_SCALE_MAX, std::max<double>(1.0 / KVCOMP_SCALE_MAX, si));
+    }
+}
+
 void llama_kvcomp_tracker::write_offsets() const {
+    std::vector<float> inv;
     for (size_t ib = 0; ib < layers.size(); ++ib) {
-        ggml_backend_tensor_set(tap[ib], layers[ib].c.data(), KVCOMP_TAP_ROWS * tap[ib]->nb[1], tap[ib]->nb[1]);
+        const layer_state & l = layers[ib];
+        inv.resize(l.s.size());
+        for (size_t i = 0; i < inv.size(); ++i) {
+            inv[i] = 1.0f / l.s[i];
+        }
+        ggml_backend_tensor_set(tap[ib], l.c.data(),   KVCOMP_ROW_C     * tap[ib]->nb[1], tap[ib]->nb[1]);
+        ggml_backend_tensor_set(tap[ib], inv.data(),   KVCOMP_ROW_INV_S * tap[ib]->nb[1], tap[ib]->nb[1]);
+        ggml_backend_tensor_set(tap[ib], l.s.data(),   KVCOMP_ROW_S     * tap[ib]->nb[1], tap[ib]->nb[1]);
     }
 }
 
@@ -340,21 +396,20 @@ void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empt
     const uint32_t n_sample = ((uint32_t) cells.size() + stride - 1) / stride;
     bool calibrating = false;
     if (empty) {
-        // the cache starts over: the smoothed mean when there is one, else this ubatch's rows;
-        // with the tracker switched off, no offset
+        // The cache starts over: the smoothed statistics when there are some, else the offset
+        // from this ubatch's rows and no channel scales; with the tracker switched off, none.
         const bool warm = std::all_of(layers.begin(), layers.end(), [](const layer_state & l) { return l.warm; });
-        if (params.tracker && !warm) {
-            calibrating = true;
-        } else {
-            for (auto & l : layers) {
-                if (params.tracker) {
-                    l.c = l.k_mean;
-                } else {
-                    std::fill(l.c.begin(), l.c.end(), 0.0f);
-                }
+        calibrating = params.tracker && !warm;
+        for (auto & l : layers) {
+            if (params.tracker && warm) {
+                l.c = l.k_mean;
+                set_scales(l);
+            } else {
+                std::fill(l.c.begin(), l.c.end(), 0.0f);
+                std::fill(l.s.begin(), l.s.end(), 1.0f);
             }
-            write_offsets();
         }
+        write_offsets();
     }
     set_weights(calibrating, n_sample);
     pending_read = calibrating;
@@ -373,11 +428,11 @@ void llama_kvcomp_tracker::state_write(llama_io_write_i & io) const {
         const uint32_t ne = (uint32_t) l.c.size();
         io.write(&ne, sizeof(ne));
         io.write(l.c.data(), ne * sizeof(float));
+        io.write(l.s.data(), ne * sizeof(float));
     }
 }
 
-// Adds delta to the given rows of t, through F32 (the rows are re-quantized once).
-void llama_kvcomp_tracker::reencode(ggml_tensor * t, const std::vector<uint64_t> & rows, const std::vector<float> & delta) {
+void llama_kvcomp_tracker::reencode(ggml_tensor * t, const std::vector<uint64_t> & rows, const affine & map) {
     const auto * tt = ggml_get_type_traits(t->type);
     const int64_t n = t->ne[0];
     std::vector<uint8_t> raw(t->nb[1]);
@@ -390,7 +445,7 @@ void llama_kvcomp_tracker::reencode(ggml_tensor * t, const std::vector<uint64_t>
             tt->to_float(raw.data(), x.data(), n);
         }
         for (int64_t i = 0; i < n; ++i) {
-            x[i] += delta[i];
+            x[i] = x[i] * map.a[i] + map.b[i];
         }
         if (t->type == GGML_TYPE_F32) {
             std::memcpy(raw.data(), x.data(), t->nb[1]);
@@ -401,70 +456,69 @@ void llama_kvcomp_tracker::reencode(ggml_tensor * t, const std::vector<uint64_t>
     }
 }
 
-std::vector<std::vector<float>> llama_kvcomp_tracker::state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells,
-                                                                 bool replace, bool present) {
-    // a state saved without a tracker holds rows stored as they came: offset zero
-    uint32_t n = (uint32_t) layers.size();
-    if (!present) {
-        std::vector<std::vector<float>> file(n);
+std::vector<llama_kvcomp_tracker::affine> llama_kvcomp_tracker::state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells,
+                                                                           bool replace, bool present) {
+    // a state saved without a tracker holds rows stored as they came: c = 0, s = 1
+    const uint32_t n_layers = (uint32_t) layers.size();
+    std::vector<std::vector<float>> fc(n_layers), fs(n_layers);
+    for (uint32_t ib = 0; ib < n_layers; ++ib) {
+        fc[ib].assign(layers[ib].c.size(), 0.0f);
+        fs[ib].assign(layers[ib].c.size(), 1.0f);
+    }
+    if (present) {
+        uint32_t n = 0;
+        io.read(&n, sizeof(n));
+        if (n != n_layers) {
+            throw std::runtime_error("tracker section has " + std::to_string(n) + " layers, the cache " + std::to_string(n_layers));
+        }
         for (uint32_t ib = 0; ib < n; ++ib) {
-            file[ib].assign(layers[ib].c.size(), 0.0f);
-        }
-        return adopt(file, cells, replace);
-    }
-    io.read(&n, sizeof(n));
-    if (n != layers.size()) {
-        throw std::runtime_error("tracker section has " + std::to_string(n) + " layers, the cache " + std::to_string(layers.size()));
-    }
-    std::vector<std::vector<float>> file(n);
-    for (uint32_t ib = 0; ib < n; ++ib) {
-        uint32_t ne = 0;
-        io.read(&ne, sizeof(ne));
-        if (ne != layers[ib].c.size()) {
-            throw std::runtime_error("tracker section is for another model");
-        }
-        file[ib].resize(ne);
-        io.read(file[ib].data(), ne * sizeof(float));
-        for (float v : file[ib]) {
-            if (!std::isfinite(v)) {
-                throw std::runtime_error("tracker section is corrupted (non-finite offset)");
+            uint32_t ne = 0;
+            io.read(&ne, sizeof(ne));
+            if (ne != fc[ib].size()) {
+                throw std::runtime_error("tracker section is for another model");
+            }
+            io.read(fc[ib].data(), ne * sizeof(float));
+            io.read(fs[ib].data(), ne * sizeof(float));
+            for (uint32_t i = 0; i < ne; ++i) {
+                if (!std::isfinite(fc[ib][i]) || !(fs[ib][i] > 0.0f) || !std::isfinite(fs[ib][i])) {
+                    throw std::runtime_error("tracker section is corrupted (offset or scale out of range)");
+                }
             }
         }
     }
 
-    return adopt(file, cells, replace);
-}
-
-std::vector<std::vector<float>> llama_kvcomp_tracker::adopt(const std::vector<std::vector<float>> & file,
-                                                            const std::vector<uint64_t> & cells, bool replace) {
-    const size_t n = layers.size();
-    std::vector<std::vector<float>> delta;
+    std::vector<affine> maps;
     if (replace) {
-        for (size_t ib = 0; ib < n; ++ib) {
-            layers[ib].c = file[ib];
+        for (uint32_t ib = 0; ib < n_layers; ++ib) {
+            layers[ib].c = fc[ib];
+            layers[ib].s = fs[ib];
         }
         write_offsets();
         pending_read = false;
-        return delta;
+        return maps;
     }
-    // other sequences keep the offsets in use: the restored keys move onto them
     bool same = true;
-    for (size_t ib = 0; ib < n && same; ++ib) {
-        same = file[ib] == layers[ib].c;
+    for (uint32_t ib = 0; ib < n_layers && same; ++ib) {
+        same = fc[ib] == layers[ib].c && fs[ib] == layers[ib].s;
     }
     if (same) {
-        return delta;
+        return maps;
     }
-    delta.resize(n);
-    for (size_t ib = 0; ib < n; ++ib) {
-        delta[ib].resize(file[ib].size());
-        for (size_t i = 0; i < file[ib].size(); ++i) {
-            delta[ib][i] = file[ib][i] - layers[ib].c[i];
+    // other sequences keep the transform in use: the restored keys move onto it,
+    // (k - c) / s = x · s_f / s + (c_f - c) / s for a row x stored as (k - c_f) / s_f
+    maps.resize(n_layers);
+    for (uint32_t ib = 0; ib < n_layers; ++ib) {
+        const layer_state & l = layers[ib];
+        maps[ib].a.resize(l.c.size());
+        maps[ib].b.resize(l.c.size());
+        for (size_t i = 0; i < l.c.size(); ++i) {
+            maps[ib].a[i] = fs[ib][i] / l.s[i];
+            maps[ib].b[i] = (fc[ib][i] - l.c[i]) / l.s[i];
         }
-        reencode(layers[ib].k_main, cells, delta[ib]);
+        reencode(l.k_main, cells, maps[ib]);
     }
-    LLAMA_LOG_INFO("kvcomp: %zu restored K rows re-encoded onto this context's offsets\n", cells.size());
-    return delta;
+    LLAMA_LOG_INFO("kvcomp: %zu restored K rows re-encoded onto this context's offsets and scales\n", cells.size());
+    return maps;
 }
 
 void llama_kvcomp_tracker::get_layer_stats(int32_t ib, llama_kvcomp_layer_stats & st) const {
@@ -474,21 +528,15 @@ void llama_kvcomp_tracker::get_layer_stats(int32_t ib, llama_kvcomp_layer_stats 
     st.alpha      = l.alpha;
     const double n = (double) std::max<int64_t>(1, l.n_rows_measured * l.n_embd_k);
     st.k_rms          = (float) std::sqrt(l.k_energy / n);
-    st.k_rmse         = (float) std::sqrt(l.k_err_offset / n);
+    st.k_rmse         = (float) std::sqrt(l.k_err / n);
+    st.k_rmse_offset  = (float) std::sqrt(l.k_err_offset / n);
     st.k_rmse_plain   = (float) std::sqrt(l.k_err_plain / n);
     double e = 0.0;
     for (float v : l.c) {
         e += (double) v * v;
     }
     st.k_offset_rms = l.c.empty() ? 0.0f : (float) std::sqrt(e / (double) l.c.size());
-    // how unequal the channels' ranges are (1: equal), what per-channel equalization would act on
-    float rmin = INFINITY, rmax = 0.0f;
-    for (size_t i = 0; i < l.k_hi.size(); ++i) {
-        const float r = l.k_hi[i] - l.k_lo[i];
-        rmin = std::min(rmin, r);
-        rmax = std::max(rmax, r);
-    }
-    st.k_range_spread = l.warm && rmin > 0.0f ? rmax / rmin : 0.0f;
+    st.k_range_spread = *std::max_element(l.s.begin(), l.s.end()) / *std::min_element(l.s.begin(), l.s.end());
     const int64_t n_head_v = l.n_embd_v / l.n_embd_head_v;
     st.n_head_kv = (int32_t) n_head_v;
     for (int64_t h = 0; h < LLAMA_KVCOMP_MAX_HEADS; ++h) {

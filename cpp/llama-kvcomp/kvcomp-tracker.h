@@ -48,23 +48,29 @@ struct llama_kvcomp_tracker {
     // take the same mean (called before anything reads either)
     void resolve() const;
 
-    // around a RoPE shift of stored K rows: rows + c before, rows - c after
-    ggml_tensor * add_offset(ggml_context * ctx, ggml_tensor * rows, int32_t ib, float sign) const;
+    // Q scaled per channel by s, as attention must see it for the stored (k - c) / s
+    ggml_tensor * scale_q(ggml_context * ctx, ggml_tensor * q, int32_t ib) const;
 
-    // the offsets, with the state; a sequence read into a cache with other offsets has its
-    // K rows re-encoded (cells: those restored)
-    // returns, per layer, what was added to the restored rows (empty when nothing was), for
-    // the slot rows the caller restores
+    // around a RoPE shift of stored K rows ([n_rot, n_head_kv, n_cells]): rows * s + c
+    // before, and (rows - c) / s back
+    ggml_tensor * unstore(ggml_context * ctx, ggml_tensor * rows, int32_t ib, bool back) const;
+
+    // x · a + b per channel: how rows stored under one transform move onto another
+    struct affine {
+        std::vector<float> a, b;
+    };
+
+    // The offsets and scales, with the state. A sequence read beside tokens stored under
+    // another transform has its K rows (cells: those restored) re-encoded onto this one; the
+    // maps used are returned (empty when none was needed) for the slot rows the caller
+    // restores. present: whether the state has a tracker part (without, c = 0 and s = 1).
     void state_write(llama_io_write_i & io) const;
-    // (present: whether the state has offsets; without, its rows were stored as they came)
-    std::vector<std::vector<float>> state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells, bool replace, bool present);
-    static void reencode(ggml_tensor * t, const std::vector<uint64_t> & rows, const std::vector<float> & delta);
+    std::vector<affine> state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells, bool replace, bool present);
+    static void reencode(ggml_tensor * t, const std::vector<uint64_t> & rows, const affine & map);
 
     void get_layer_stats(int32_t ib, llama_kvcomp_layer_stats & st) const;
     int32_t n_layers() const { return (int32_t) layers.size(); }
 
-    // the offset in use (host copy, for the tests)
-    const std::vector<float> & offset(int32_t ib) const { return layers[ib].c; }
 
 private:
     // per channel, what one update contributed: the sum and the two largest and two
@@ -84,10 +90,10 @@ private:
         std::vector<float> k_mean, k_hi, k_lo, v_hi, v_lo;
         bool    warm = false;
         std::vector<float> c; // offset in use (host copy)
-        // running round-trip error sums of the sampled K rows, without and with the offset,
-        // and the rows' energy
-        double  k_err_plain = 0.0, k_err_offset = 0.0, k_energy = 0.0;
-        double  v_err = 0.0, v_energy = 0.0;
+        std::vector<float> s; // channel scales in use (host copy)
+        // running round-trip error sums of the sampled K rows: as stored, with the offset
+        // alone, as they came; and the rows' energy
+        double  k_err = 0.0, k_err_offset = 0.0, k_err_plain = 0.0, k_energy = 0.0;
         int64_t n_rows_measured = 0;
     };
 
@@ -95,9 +101,8 @@ private:
     void recompute(layer_state & l);
     void measure(layer_state & l, const float * k_rows, size_t n_rows);
     void write_offsets() const;
+    void set_scales(layer_state & l) const;
     void set_weights(bool calibrating, uint32_t n_sample);
-    std::vector<std::vector<float>> adopt(const std::vector<std::vector<float>> & file, const std::vector<uint64_t> & cells,
-                                          bool replace);
 
     llama_kvcomp_params params;
     // (mutable: resolve() completes the host copy of what the last graph computed)

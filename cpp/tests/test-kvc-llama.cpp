@@ -595,6 +595,22 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
         rep.check(n_better == n_layers && off > 0.0, "tracker: every layer's K round-trip error is lower with the offset (%d of %d)",
             n_better, n_layers);
     }
+    // once the statistics are smoothed (8 updates), a cache that starts over takes their
+    // offset and channel scales; Q is scaled back, so an f16 cache still only rounds
+    // differently, and kvc4 keeps its lower error
+    for (ggml_type type : { GGML_TYPE_F16, GGML_TYPE_KVC4 }) {
+        ctx_ptr c{ make_buffered_ctx(model, trk, type) };
+        decode(c.ctx, toks, 0, n, 32);
+        llama_memory_clear(llama_get_memory(c.ctx), true);
+        const std::vector<float> l = decode(c.ctx, toks, 0, n, n);
+        llama_kvcomp_layer_stats ls = {};
+        const bool got = llama_kvcomp_get_layer_stats(c.ctx, 10, &ls) == 0;
+        const double kl = kl_div(f16, l);
+        const double bound = type == GGML_TYPE_F16 ? 0.05 * kl_plain : 0.8 * kl_plain;
+        rep.check(!l.empty() && got && ls.k_range_spread > 1.0f && kl <= bound,
+            "tracker: %s with smoothed offset and channel scales (layer 10 scale spread %.2f): KL to f16 %.2e <= %.2e",
+            ggml_type_name(type), ls.k_range_spread, kl, bound);
+    }
     // a context shift puts the offset back around RoPE, on the main rows and on the slots
     {
         auto shifted = [&](llama_context * ctx) { return decode_shifted(ctx, toks); };
@@ -604,7 +620,10 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
             ref = shifted(c.ctx);
         }
         {
+            // warm first, so the shift also carries channel scales
             ctx_ptr c{ make_buffered_ctx(model, trk, GGML_TYPE_F16) };
+            decode(c.ctx, toks, 0, n, 32);
+            llama_memory_clear(llama_get_memory(c.ctx), true);
             on_f16 = shifted(c.ctx);
         }
         {
