@@ -12,7 +12,7 @@ import pytest
 @pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-llama"])
 def test_cpp(bins: Path, model: Path, name: str) -> None:
     args = [str(bins / name)] + ([str(model)] if name == "test-kvc-llama" else [])
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
     m = re.search(r"(\d+) passed, (\d+) failed", proc.stdout)
     assert m, proc.stdout[-2000:] + proc.stderr[-2000:]
     failed = [line for line in proc.stdout.splitlines() if "[FAIL]" in line]

@@ -766,7 +766,7 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
             for (const auto & l : kv.layers) {
                 descs.push_back({ l.k, l.v, (int32_t) l.il, (int64_t) kv.hparams.n_embd_head_k(l.il), (int64_t) kv.hparams.n_embd_head_v(l.il) });
             }
-            tracker = std::make_shared<llama_kvcomp_tracker>(descs, params);
+            tracker = std::make_shared<llama_kvcomp_tracker>(descs, params, !kv.attn_rot_k);
         }
         if (tracker) {
             tracker->set_params(params);

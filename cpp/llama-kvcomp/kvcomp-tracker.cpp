@@ -26,7 +26,8 @@ static uint32_t tap_stride(uint32_t n_tokens) {
     return (n_tokens + KVCOMP_TAP_ROWS - 1) / KVCOMP_TAP_ROWS;
 }
 
-llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params) : params(params) {
+llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params, bool equalize)
+    : params(params), equalize(equalize) {
     ggml_init_params ip = { (descs.size() + 1) * ggml_tensor_overhead(), nullptr, true };
     ctx = ggml_init(ip);
     if (!ctx) {
@@ -291,6 +292,10 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
 // by s (scale_q), which gives back q·k exactly.
 void llama_kvcomp_tracker::set_scales(layer_state & l) const {
     const int64_t n = l.n_embd_k;
+    if (!equalize) {
+        std::fill(l.s.begin(), l.s.end(), 1.0f);
+        return;
+    }
     std::vector<double> h(n);
     double mean = 0.0;
     for (int64_t i = 0; i < n; ++i) {

@@ -29,7 +29,10 @@ struct llama_kvcomp_tracker {
         int64_t n_embd_head_v;
     };
 
-    llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params);
+    // equalize: whether to scale K channels; off where upstream already rotates K (measured:
+    // after the Hadamard rotation the channels' ranges are alike and scaling them costs ~1%
+    // RMSE, docs/results.md)
+    llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params, bool equalize);
     ~llama_kvcomp_tracker();
 
     void set_params(const llama_kvcomp_params & p) { params = p; }
@@ -105,6 +108,7 @@ private:
     void set_weights(bool calibrating, uint32_t n_sample);
 
     llama_kvcomp_params params;
+    bool equalize;
     // (mutable: resolve() completes the host copy of what the last graph computed)
     mutable std::vector<layer_state> layers;
     uint64_t n_updates = 0;
