@@ -135,8 +135,7 @@ ggml_tensor * llama_kvcomp_tracker::unstore(ggml_context * ctx0, ggml_tensor * r
     return ggml_add(ctx0, ggml_mul(ctx0, rows, row(KVCOMP_ROW_S)), row(KVCOMP_ROW_C));
 }
 
-void llama_kvcomp_tracker::fold(layer_state & l, std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const {
-    GGML_UNUSED(l);
+void llama_kvcomp_tracker::fold(std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const {
     update_stats & u = win[n_updates % KVCOMP_WINDOW];
     u.n = n_rows;
     u.sum.assign(n_embd, 0.0f);
@@ -369,7 +368,7 @@ void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empt
             const uint32_t n_rows = (uint32_t) tap_cells.size();
             rows.resize((size_t) n_rows * l.n_embd_k);
             ggml_backend_tensor_get(tap[ib], rows.data(), 0, rows.size() * sizeof(float));
-            fold(l, l.k_win, rows.data(), n_rows, l.n_embd_k);
+            fold(l.k_win, rows.data(), n_rows, l.n_embd_k);
 
             // V rows as stored: nothing is subtracted from them
             const ggml_tensor * v = l.v_main;
@@ -383,7 +382,7 @@ void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empt
                     ggml_get_type_traits(v->type)->to_float(raw.data(), vrows.data() + (size_t) r * l.n_embd_v, l.n_embd_v);
                 }
             }
-            fold(l, l.v_win, vrows.data(), n_rows, l.n_embd_v);
+            fold(l.v_win, vrows.data(), n_rows, l.n_embd_v);
 
             if (measure_now) {
                 measure(l, rows.data(), n_rows);

@@ -100,7 +100,7 @@ private:
         int64_t n_rows_measured = 0;
     };
 
-    void fold(layer_state & l, std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const;
+    void fold(std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const;
     void recompute(layer_state & l);
     void measure(layer_state & l, const float * k_rows, size_t n_rows);
     void write_offsets() const;
