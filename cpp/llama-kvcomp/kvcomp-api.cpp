@@ -1,6 +1,7 @@
 // The public C API of llama-kvcomp.h: modes, configuration and statistics of a context.
 
 #include "kvcomp-buffer.h"
+#include "kvcomp-monitor.h"
 #include "llama-kvcomp.h"
 
 #include "llama-impl.h"
@@ -36,8 +37,9 @@ constexpr kvcomp_mode_row KVCOMP_MODES[] = {
 };
 static_assert(sizeof(KVCOMP_MODES) / sizeof(KVCOMP_MODES[0]) == LLAMA_KVCOMP_MODE_CUSTOM, "one table row per mode");
 
-// the transformer caches of a context: one, or two for a sliding-window model
-std::vector<llama_kv_cache *> kvcomp_caches(llama_context * ctx) {
+} // namespace
+
+std::vector<llama_kv_cache *> llama_kvcomp_caches(llama_context * ctx) {
     llama_memory_t mem = ctx ? llama_get_memory(ctx) : nullptr;
     if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
         return { kv };
@@ -48,7 +50,6 @@ std::vector<llama_kv_cache *> kvcomp_caches(llama_context * ctx) {
     return {};
 }
 
-} // namespace
 
 llama_kvcomp_params llama_kvcomp_default_params(void) {
     llama_kvcomp_params p;
@@ -146,22 +147,29 @@ int32_t llama_kvcomp_configure(llama_context * ctx, const llama_kvcomp_params * 
         LLAMA_LOG_ERROR("%s: invalid parameters: %s\n", __func__, err ? err : "no context");
         return -1;
     }
-    const auto caches = kvcomp_caches(ctx);
+    const auto caches = llama_kvcomp_caches(ctx);
     if (caches.empty()) {
         LLAMA_LOG_ERROR("%s: kvcomp needs a transformer KV cache (this model's memory is recurrent or hybrid)\n", __func__);
         return -2;
     }
+    // a context whose caches have never been configured has no monitor yet: an entry left by
+    // a freed context at the same address is not its
+    const bool fresh = std::none_of(caches.begin(), caches.end(), [](const llama_kv_cache * kv) { return kv->kvcomp != nullptr; });
+    const auto monitor = llama_kvcomp_monitor::get(ctx, true, fresh);
     for (llama_kv_cache * kv : caches) {
         const int32_t rc = llama_kvcomp_buffer::attach(*kv, *params, llama_n_ubatch(ctx), llama_n_seq_max(ctx));
         if (rc != 0) {
             return rc;
+        }
+        if (kv->kvcomp) {
+            kv->kvcomp->monitor = monitor;
         }
     }
     return 0;
 }
 
 int32_t llama_kvcomp_get_config(llama_context * ctx, llama_kvcomp_params * params) {
-    const auto caches = kvcomp_caches(ctx);
+    const auto caches = llama_kvcomp_caches(ctx);
     if (!ctx || !params) {
         return -1;
     }
@@ -175,7 +183,7 @@ int32_t llama_kvcomp_get_config(llama_context * ctx, llama_kvcomp_params * param
 }
 
 int32_t llama_kvcomp_get_cache_types(llama_context * ctx, ggml_type * type_k, ggml_type * type_v) {
-    const auto caches = kvcomp_caches(ctx);
+    const auto caches = llama_kvcomp_caches(ctx);
     if (caches.empty() || !type_k || !type_v) {
         return -1;
     }
@@ -188,6 +196,13 @@ int32_t llama_kvcomp_set_mode(llama_context * ctx, int32_t mode) {
     if (llama_kvcomp_mode_preset(mode, &p, nullptr, nullptr) != 0) {
         LLAMA_LOG_ERROR("%s: unknown mode %d\n", __func__, mode);
         return -1;
+    }
+    ggml_type type_k = GGML_TYPE_F16, type_v = GGML_TYPE_F16;
+    if (mode == LLAMA_KVCOMP_MODE_OFF && llama_kvcomp_get_cache_types(ctx, &type_k, &type_v) == 0 &&
+        (type_k != GGML_TYPE_F16 || type_v != GGML_TYPE_F16)) {
+        // "off" means full precision; the cache keeps its low-bit types, so every new token
+        // stays exact in the residual buffer instead (as much memory as an F16 cache)
+        p.window = (int32_t) llama_n_ctx_seq(ctx);
     }
     const int32_t rc = llama_kvcomp_configure(ctx, &p);
     if (rc == 0) {
@@ -202,7 +217,7 @@ int32_t llama_kvcomp_get_stats(llama_context * ctx, llama_kvcomp_stats * stats) 
     }
     bool any = false;
     llama_kvcomp_stats sum = {};
-    for (llama_kv_cache * kv : kvcomp_caches(ctx)) {
+    for (llama_kv_cache * kv : llama_kvcomp_caches(ctx)) {
         if (!kv->kvcomp) {
             continue;
         }
@@ -229,10 +244,120 @@ int32_t llama_kvcomp_get_layer_stats(llama_context * ctx, int32_t il, llama_kvco
     if (!stats) {
         return -1;
     }
-    for (llama_kv_cache * kv : kvcomp_caches(ctx)) {
+    for (llama_kv_cache * kv : llama_kvcomp_caches(ctx)) {
         if (kv->kvcomp && kv->kvcomp->get_layer_stats(il, *stats)) {
             return 0;
         }
     }
     return -1;
+}
+
+llama_kvcomp_monitor_params llama_kvcomp_monitor_default_params(void) {
+    llama_kvcomp_monitor_params p;
+    p.enabled         = 1;
+    p.ppl_window      = 64;
+    p.degrade_ratio   = 1.2f;
+    p.degrade_windows = 3;
+    p.baseline_ppl    = 0.0f;
+    p.fill_warn       = 0.8f;
+    p.l2_jump         = 2.0f;
+    p.refresh         = 8;
+    return p;
+}
+
+const char * llama_kvcomp_monitor_params_error(const llama_kvcomp_monitor_params * p) {
+    if (!p) {
+        return "no parameters";
+    }
+    if (p->enabled != 0 && p->enabled != 1) {
+        return "the monitor is on (1) or off (0)";
+    }
+    if (p->ppl_window < 1) {
+        return "the perplexity window must be >= 1 token";
+    }
+    if (!(p->degrade_ratio >= 1.0f && std::isfinite(p->degrade_ratio))) {
+        return "the degrade ratio must be a finite value >= 1";
+    }
+    if (p->degrade_windows < 0) {
+        return "the degrade window count must be >= 0 (0: never degrade)";
+    }
+    if (!(p->baseline_ppl >= 0.0f && std::isfinite(p->baseline_ppl))) {
+        return "the baseline perplexity must be a finite value > 0 (or 0: from each sequence's first window)";
+    }
+    if (!(p->fill_warn > 0.0f && p->fill_warn <= 1.0f)) {
+        return "the fill warning threshold must be a fraction in (0, 1]";
+    }
+    if (!(p->l2_jump == 0.0f || (p->l2_jump > 1.0f && std::isfinite(p->l2_jump)))) {
+        return "the L2 jump factor must be > 1 (or 0: no warning)";
+    }
+    if (p->refresh < 1) {
+        return "the refresh interval must be >= 1 ubatch";
+    }
+    return nullptr;
+}
+
+int32_t llama_kvcomp_set_monitor(llama_context * ctx, const llama_kvcomp_monitor_params * params) {
+    const char * err = llama_kvcomp_monitor_params_error(params);
+    if (!ctx || err) {
+        LLAMA_LOG_ERROR("%s: invalid parameters: %s\n", __func__, err ? err : "no context");
+        return -1;
+    }
+    llama_kvcomp_monitor::get(ctx, true)->set_params(*params);
+    return 0;
+}
+
+int32_t llama_kvcomp_observe(llama_context * ctx, llama_seq_id seq_id, int32_t i, llama_token token) {
+    const auto mon = llama_kvcomp_monitor::get(ctx, false);
+    return mon ? mon->observe(seq_id, i, token) : -1;
+}
+
+void llama_kvcomp_seq_reset(llama_context * ctx, llama_seq_id seq_id) {
+    if (const auto mon = llama_kvcomp_monitor::get(ctx, false)) {
+        mon->seq_reset(seq_id);
+    }
+}
+
+int32_t llama_kvcomp_monitor_refresh(llama_context * ctx) {
+    const auto mon = llama_kvcomp_monitor::get(ctx, false);
+    if (!mon || !mon->get_params().enabled) {
+        return -1;
+    }
+    mon->refresh();
+    return 0;
+}
+
+int32_t llama_kvcomp_get_snapshot(llama_context * ctx, llama_kvcomp_snapshot * snap, llama_kvcomp_head_snapshot * heads, int32_t n_heads_max,
+                                  llama_kvcomp_seq_snapshot * seqs, int32_t n_seqs_max, llama_kvcomp_degrade_event * events,
+                                  int32_t n_events_max) {
+    const auto mon = llama_kvcomp_monitor::get(ctx, false);
+    if (!mon || !snap) {
+        return -1;
+    }
+    std::vector<llama_kvcomp_head_snapshot> h;
+    std::vector<llama_kvcomp_seq_snapshot> s;
+    std::vector<llama_kvcomp_degrade_event> e;
+    mon->copy(*snap, h, s, e);
+    const auto put = [](auto * dst, int32_t n_max, const auto & src) {
+        if (dst) {
+            std::copy_n(src.begin(), std::min<size_t>(src.size(), (size_t) std::max(0, n_max)), dst);
+        }
+    };
+    put(heads, n_heads_max, h);
+    put(seqs, n_seqs_max, s);
+    put(events, n_events_max, e);
+    return 0;
+}
+
+int64_t llama_kvcomp_snapshot_text(llama_context * ctx, int32_t format, int32_t layer, char * buf, size_t size) {
+    const auto mon = llama_kvcomp_monitor::get(ctx, false);
+    if (!mon || (format != LLAMA_KVCOMP_FORMAT_JSON && format != LLAMA_KVCOMP_FORMAT_PROMETHEUS)) {
+        return -1;
+    }
+    const std::string text = mon->text(format, layer);
+    if (buf && size > 0) {
+        const size_t n = std::min(size - 1, text.size());
+        std::memcpy(buf, text.data(), n);
+        buf[n] = '\0';
+    }
+    return (int64_t) text.size();
 }

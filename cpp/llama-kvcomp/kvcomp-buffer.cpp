@@ -96,6 +96,77 @@ llama_kvcomp_buffer::~llama_kvcomp_buffer() {
     ggml_free(ctx);
 }
 
+void llama_kvcomp_buffer::adopt_storage(llama_kvcomp_buffer & prev) {
+    // Upstream reuses the last graph when the next ubatch has the same shape, and that graph
+    // points at the previous configuration's slot tensors. With the same slot count the
+    // shape is the same, so those tensors must stay the ones in use.
+    if (prev.n_slots_stream != n_slots_stream || prev.k_buf.size() != k_buf.size() || prev.maps.size() != maps.size()) {
+        return;
+    }
+    std::swap(ctx, prev.ctx);
+    std::swap(buf, prev.buf);
+    std::swap(k_buf, prev.k_buf);
+    std::swap(v_buf, prev.v_buf);
+}
+
+void llama_kvcomp_buffer::head_snapshots(const llama_kv_cache & kv, std::vector<llama_kvcomp_head_snapshot> & out) const {
+    std::vector<float> k_l2, v_l2;
+    for (size_t ib = 0; ib < kv.layers.size(); ++ib) {
+        const int32_t il = (int32_t) kv.layers[ib].il;
+        const int64_t n_head_k = kv.layers[ib].k->ne[0] / kv.hparams.n_embd_head_k(il);
+        const int64_t n_head_v = kv.layers[ib].v->ne[0] / kv.hparams.n_embd_head_v(il);
+        slot_norms((int32_t) ib, k_l2, v_l2, n_head_k, n_head_v);
+        llama_kvcomp_layer_stats ls = {};
+        const bool tracked = get_layer_stats(il, ls);
+        for (int64_t h = 0; h < std::max(n_head_k, n_head_v); ++h) {
+            llama_kvcomp_head_snapshot hs = {};
+            hs.il   = il;
+            hs.head = (int32_t) h;
+            if (tracked && h < n_head_k) {
+                float rms = 0.0f;
+                tracker->get_head_stats((int32_t) ib, (int32_t) h, hs.k_rmse, rms);
+                hs.k_rmse_rel = rms > 0.0f ? hs.k_rmse / rms : 0.0f;
+            }
+            hs.k_scale  = tracked && h < LLAMA_KVCOMP_MAX_HEADS ? ls.k_scale[h] : 0.0f;
+            hs.v_scale  = tracked && h < LLAMA_KVCOMP_MAX_HEADS ? ls.v_scale[h] : 0.0f;
+            hs.buf_l2_k = h < n_head_k ? k_l2[h] : 0.0f;
+            hs.buf_l2_v = h < n_head_v ? v_l2[h] : 0.0f;
+            out.push_back(hs);
+        }
+    }
+}
+
+void llama_kvcomp_buffer::slot_norms(int32_t ib, std::vector<float> & k_l2, std::vector<float> & v_l2, int64_t n_head_k,
+                                     int64_t n_head_v) const {
+    k_l2.assign(n_head_k, 0.0f);
+    v_l2.assign(n_head_v, 0.0f);
+    if (!buffered) {
+        return;
+    }
+    const auto norms = [&](const ggml_tensor * t, std::vector<float> & out) {
+        const int64_t n = t->ne[0], d = n / (int64_t) out.size();
+        std::vector<ggml_fp16_t> raw(n);
+        std::vector<double> acc(out.size(), 0.0);
+        for (size_t st = 0; st < maps.size(); ++st) {
+            for (uint32_t s = 0; s < n_slots(); ++s) {
+                if (maps[st].slot_kinds[s] == SLOT_KIND_FREE) {
+                    continue;
+                }
+                ggml_backend_tensor_get(t, raw.data(), (st * n_rows() + s) * t->nb[1], t->nb[1]);
+                for (int64_t i = 0; i < n; ++i) {
+                    const double x = ggml_fp16_to_fp32(raw[i]);
+                    acc[i / d] += x * x;
+                }
+            }
+        }
+        for (size_t h = 0; h < out.size(); ++h) {
+            out[h] = (float) std::sqrt(acc[h]);
+        }
+    };
+    norms(k_buf[ib], k_l2);
+    norms(v_buf[ib], v_l2);
+}
+
 bool llama_kvcomp_buffer::is_exact(llama_pos key, llama_pos query, bool pinned) const {
     return pinned || key < params.sinks || key > query - params.window;
 }
@@ -193,6 +264,10 @@ void llama_kvcomp_buffer::pin_or_free(stream_map & m, uint32_t s) {
 }
 
 void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ubatch) {
+    // before the tracker sets up this ubatch: what the monitor reads is final then
+    if (monitor) {
+        monitor->on_ubatch(kv);
+    }
     if (tracker) {
         // the ubatch's cells in token order; it is alone in the cache when nothing else is used
         std::vector<uint64_t> cells;
@@ -568,6 +643,10 @@ void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cach
             if (cells.is_empty(c) || (seq_id != -1 && !cells.seq_has(c, seq_id))) {
                 continue;
             }
+            // upstream leaves out the cells a sliding window already hides
+            if (seq_id != -1 && llama_hparams::is_masked_swa(kv.n_swa, kv.swa_type, cells.pos_get(c), cells.seq_pos_max(seq_id))) {
+                continue;
+            }
             if (m.cell_slot[c] >= 0 && m.slot_pos[m.cell_slot[c]] == cells.pos_get(c)) {
                 entry_rank.push_back(rank);
                 entry_slot.push_back((uint32_t) m.cell_slot[c]);
@@ -771,7 +850,12 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
         if (tracker) {
             tracker->set_params(params);
         }
-        kv.kvcomp = std::make_shared<llama_kvcomp_buffer>(kv, params, n_ubatch, n_seq_max, tracker);
+        auto next = std::make_shared<llama_kvcomp_buffer>(kv, params, n_ubatch, n_seq_max, tracker);
+        if (kv.kvcomp) {
+            next->adopt_storage(*kv.kvcomp);
+            next->monitor = kv.kvcomp->monitor;
+        }
+        kv.kvcomp = next;
     } catch (const std::exception & e) {
         LLAMA_LOG_ERROR("%s: %s\n", __func__, e.what());
         return -3;

@@ -10,6 +10,7 @@
 // main cache. Exactness depends on positions only, so a batched prompt and token-by-token
 // decoding see the same keys.
 
+#include "kvcomp-monitor.h"
 #include "kvcomp-tracker.h"
 #include "llama-kvcomp.h"
 #include "llama-kv-cache.h"
@@ -42,6 +43,15 @@ struct llama_kvcomp_buffer {
         type_k = kv.layers[0].k->type;
         type_v = kv.layers[0].v->type;
     }
+
+    // the context's monitor (kvcomp-monitor.h), told of every ubatch of this cache
+    std::shared_ptr<llama_kvcomp_monitor> monitor;
+
+    // one row per layer of this cache and KV head, for the monitor
+    void head_snapshots(const llama_kv_cache & kv, std::vector<llama_kvcomp_head_snapshot> & out) const;
+
+    // cache layer ib: L2 norm per KV head of the K and V rows the slots hold
+    void slot_norms(int32_t ib, std::vector<float> & k_l2, std::vector<float> & v_l2, int64_t n_head_k, int64_t n_head_v) const;
 
     // whether the params ask for slots at all
     static bool wants_slots(const llama_kvcomp_params & p) { return p.window > 0 || p.sinks > 0 || p.pin_threshold > 0.0f; }
@@ -128,6 +138,7 @@ private:
                              ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors, float freq_base, float freq_scale,
                              uint32_t il) const;
     uint32_t n_rows() const { return n_slots() + 1; }
+    void adopt_storage(llama_kvcomp_buffer & prev);
     void free_slot(stream_map & m, uint32_t s);
     void set_slot(stream_map & m, uint32_t s, uint32_t cell, llama_pos pos, slot_kind kind);
     float measure(const llama_kv_cache & kv, uint32_t strm, uint32_t s) const;

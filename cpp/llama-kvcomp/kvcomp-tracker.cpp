@@ -49,6 +49,8 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         l.alpha = params.ema_shallow + t * (params.ema_deep - params.ema_shallow);
         l.k_win.resize(KVCOMP_WINDOW);
         l.v_win.resize(KVCOMP_WINDOW);
+        l.k_err_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
+        l.k_energy_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
         l.c.assign(l.n_embd_k, 0.0f);
         l.s.assign(l.n_embd_k, 1.0f);
         tap.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, l.n_embd_k, KVCOMP_ROW_S + 1));
@@ -276,11 +278,15 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
             for (int64_t i = 0; i < n; ++i) {
                 const double d = (double) (x[i] - y[i]) * (pass == 1 ? l.s[i] : 1.0f);
                 e += d * d;
+                if (pass == 1) {
+                    l.k_err_head[i / l.n_embd_head_k] += d * d;
+                }
             }
             (pass == 0 ? l.k_err_plain : pass == 1 ? l.k_err : l.k_err_offset) += e;
         }
         for (int64_t i = 0; i < n; ++i) {
             l.k_energy += (double) raw[i] * raw[i];
+            l.k_energy_head[i / l.n_embd_head_k] += (double) raw[i] * raw[i];
         }
     }
     l.n_rows_measured += (int64_t) n_rows;
@@ -553,4 +559,11 @@ void llama_kvcomp_tracker::get_layer_stats(int32_t ib, llama_kvcomp_layer_stats 
         }
         st.k_scale[h] = s;
     }
+}
+
+void llama_kvcomp_tracker::get_head_stats(int32_t ib, int32_t h, float & rmse, float & rms) const {
+    const layer_state & l = layers[ib];
+    const double n = (double) std::max<int64_t>(1, l.n_rows_measured * l.n_embd_head_k);
+    rmse = (float) std::sqrt(l.k_err_head[h] / n);
+    rms  = (float) std::sqrt(l.k_energy_head[h] / n);
 }

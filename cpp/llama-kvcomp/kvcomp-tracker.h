@@ -73,6 +73,8 @@ struct llama_kvcomp_tracker {
 
     void get_layer_stats(int32_t ib, llama_kvcomp_layer_stats & st) const;
     int32_t n_layers() const { return (int32_t) layers.size(); }
+    // KV head h of layer ib: round-trip RMSE of its sampled K rows as stored, and their RMS
+    void get_head_stats(int32_t ib, int32_t h, float & rmse, float & rms) const;
 
 
 private:
@@ -98,6 +100,7 @@ private:
         // alone, as they came; and the rows' energy
         double  k_err = 0.0, k_err_offset = 0.0, k_err_plain = 0.0, k_energy = 0.0;
         int64_t n_rows_measured = 0;
+        std::vector<double> k_err_head, k_energy_head; // the same per KV head, as stored
     };
 
     void fold(std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const;

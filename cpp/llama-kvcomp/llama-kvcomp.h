@@ -111,6 +111,108 @@ struct llama_kvcomp_layer_stats {
 // layer has no KV cache.
 LLAMA_API int32_t llama_kvcomp_get_layer_stats(struct llama_context * ctx, int32_t il, struct llama_kvcomp_layer_stats * stats);
 
+// Monitoring (docs/monitoring.md): per layer and KV head quantization error, scales and
+// buffer norms; per sequence a sliding-window perplexity of the generated tokens; and the
+// degrade policy, which steps the context down the mode ladder (high-precision -> balanced
+// -> low-latency -> off) when a sequence's perplexity stays above its baseline.
+struct llama_kvcomp_monitor_params {
+    int32_t enabled;          // 1: collect and evaluate, 0: off (default 1)
+    int32_t ppl_window;       // generated tokens per perplexity window (default 64)
+    float   degrade_ratio;    // a window is "above" when its perplexity > ratio x baseline (default 1.2)
+    int32_t degrade_windows;  // this many windows above in a row step the mode down (default 3; 0: never)
+    float   baseline_ppl;     // f16-KV perplexity from a calibration profile (> 0); 0: each sequence's first window
+    float   fill_warn;        // warn when this fraction of the buffer's slots is in use (default 0.8)
+    float   l2_jump;          // warn when a layer/head's buffer L2 norm exceeds this x its running mean (default 2; 0: never)
+    int32_t refresh;          // ubatches between two snapshots (default 8)
+};
+
+LLAMA_API struct llama_kvcomp_monitor_params llama_kvcomp_monitor_default_params(void);
+
+// Why monitor params are invalid, or NULL.
+LLAMA_API const char * llama_kvcomp_monitor_params_error(const struct llama_kvcomp_monitor_params * params);
+
+// Sets the monitor of a context (kept across llama_kvcomp_configure and mode switches).
+// Returns 0, or -1 for invalid params (reason logged).
+LLAMA_API int32_t llama_kvcomp_set_monitor(struct llama_context * ctx, const struct llama_kvcomp_monitor_params * params);
+
+// After sampling `token` from the logits of output i of the last decode for sequence
+// seq_id: adds its log-probability (from the model's full distribution) to the sequence's
+// window and, at the end of a window, applies the degrade policy. Call from the thread that
+// decodes. Returns 0, or -1 when monitoring is off or the logits are missing.
+LLAMA_API int32_t llama_kvcomp_observe(struct llama_context * ctx, llama_seq_id seq_id, int32_t i, llama_token token);
+
+// Forgets a sequence's windows and baseline (a new request starts on it).
+LLAMA_API void llama_kvcomp_seq_reset(struct llama_context * ctx, llama_seq_id seq_id);
+
+// Takes a snapshot now (from the thread that decodes); otherwise one is taken every
+// `refresh` ubatches. Returns 0, or -1 when monitoring is off.
+LLAMA_API int32_t llama_kvcomp_monitor_refresh(struct llama_context * ctx);
+
+struct llama_kvcomp_head_snapshot {
+    int32_t il;          // model layer
+    int32_t head;        // KV head
+    float   k_rmse;      // K round-trip RMSE as stored, over the rows the tracker sampled (0: none yet)
+    float   k_rmse_rel;  // ... over those rows' RMS
+    float   k_scale;     // largest smoothed half-range of the head's K channels
+    float   v_scale;     // smoothed half-range of the head's V rows
+    float   buf_l2_k;    // L2 norm of the head's K rows held in the residual buffer
+    float   buf_l2_v;    // ... V rows
+};
+
+struct llama_kvcomp_seq_snapshot {
+    int32_t seq_id;
+    int64_t n_tokens;     // generated tokens observed
+    int32_t n_windows;    // windows completed
+    int32_t n_above;      // consecutive windows above the threshold
+    float   ppl_last;     // perplexity of the last complete window (0: none yet)
+    float   ppl_baseline; // the baseline in use (0: not set yet)
+};
+
+struct llama_kvcomp_degrade_event {
+    int64_t t_us;         // ggml_time_us() when it happened
+    int32_t seq_id;       // the sequence whose windows triggered it
+    int32_t mode_from;
+    int32_t mode_to;
+    float   ppl;          // the last window's perplexity
+    float   ppl_baseline;
+    float   ratio;        // degrade_ratio in force
+    int32_t n_windows;    // windows above in a row
+};
+
+struct llama_kvcomp_snapshot {
+    int32_t mode;          // enum llama_kvcomp_mode in force
+    int32_t n_heads;       // layer x KV head rows available
+    int32_t n_seqs;        // sequences observed
+    int32_t n_events;      // degrade steps taken (all of them; the log keeps the last 64)
+    int64_t n_ubatches;    // ubatches seen
+    int64_t t_us;          // when the snapshot was taken
+    int32_t n_slots;       // residual buffer slots, all caches
+    int32_t n_used;
+    int32_t n_pinned;
+    float   fill;          // n_used / n_slots (0 without a buffer)
+    int64_t n_merges;
+    int64_t n_released;
+    int64_t n_warn_fill;   // fill warnings issued
+    int64_t n_warn_l2;     // L2 jump warnings issued
+};
+
+// Copies the latest snapshot (any thread). heads/seqs/events may be NULL; at most the given
+// counts are written, the snapshot says how many exist. Returns 0, or -1 without monitoring.
+LLAMA_API int32_t llama_kvcomp_get_snapshot(struct llama_context * ctx, struct llama_kvcomp_snapshot * snap,
+                                            struct llama_kvcomp_head_snapshot * heads, int32_t n_heads_max,
+                                            struct llama_kvcomp_seq_snapshot * seqs, int32_t n_seqs_max,
+                                            struct llama_kvcomp_degrade_event * events, int32_t n_events_max);
+
+enum llama_kvcomp_format {
+    LLAMA_KVCOMP_FORMAT_JSON,
+    LLAMA_KVCOMP_FORMAT_PROMETHEUS, // text exposition format, series named llamacpp:kvcomp_*
+};
+
+// The latest snapshot as text (any thread), like snprintf: writes at most size bytes
+// including the terminating 0 and returns the full length, or -1 without monitoring.
+// layer >= 0 keeps that model layer's rows only (JSON), -1 all.
+LLAMA_API int64_t llama_kvcomp_snapshot_text(struct llama_context * ctx, int32_t format, int32_t layer, char * buf, size_t size);
+
 // Why params are invalid, or NULL when they are valid.
 LLAMA_API const char * llama_kvcomp_params_error(const struct llama_kvcomp_params * params);
 

@@ -542,8 +542,10 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
         const char * name = llama_kvcomp_mode_name(m);
         ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
         const bool set = llama_kvcomp_set_mode(c.ctx, m) == 0 && llama_kvcomp_get_config(c.ctx, &got) == 0;
+        // "off" on a low-bit cache keeps every new token exact in the buffer
+        const int32_t window = m == LLAMA_KVCOMP_MODE_OFF ? (int32_t) llama_n_ctx_seq(c.ctx) : p.window;
         rep.check(preset && name && llama_kvcomp_mode_from_name(name) == m && set && got.mode == m &&
-                  got.window == p.window && got.sinks == p.sinks && got.merge_interval == p.merge_interval &&
+                  got.window == window && got.sinks == p.sinks && got.merge_interval == p.merge_interval &&
                   got.tracker == p.tracker && got.pin_threshold == p.pin_threshold,
                   "modes: %s round-trips through the table and the context (K %s, V %s)", name ? name : "?",
                   ggml_type_name(tk), ggml_type_name(tv));
@@ -680,6 +682,157 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
     }
 }
 
+// log p(token) from a logits row, computed here as the reference for the monitor's windows
+double log_prob(const std::vector<float> & logits, llama_token t) {
+    const float mx = *std::max_element(logits.begin(), logits.end());
+    double z = 0.0;
+    for (float l : logits) {
+        z += std::exp((double) l - mx);
+    }
+    return (double) logits[t] - mx - std::log(z);
+}
+
+// Greedy generation of n tokens after pos, each observed by the monitor; returns the
+// reference log-probabilities, empty when a decode failed.
+std::vector<double> generate_observed(llama_context * ctx, std::vector<float> logits, int pos, int n) {
+    std::vector<double> lp;
+    llama_batch batch = llama_batch_init(1, 0, 1);
+    for (int i = 0; i < n; ++i) {
+        const llama_token t = (llama_token) (std::max_element(logits.begin(), logits.end()) - logits.begin());
+        lp.push_back(log_prob(logits, t));
+        llama_kvcomp_observe(ctx, 0, -1, t);
+        batch.n_tokens     = 1;
+        batch.token[0]     = t;
+        batch.pos[0]       = pos + i;
+        batch.n_seq_id[0]  = 1;
+        batch.seq_id[0][0] = 0;
+        batch.logits[0]    = true;
+        if (llama_decode(ctx, batch) != 0) {
+            llama_batch_free(batch);
+            return {};
+        }
+        const float * l = llama_get_logits_ith(ctx, -1);
+        std::copy(l, l + logits.size(), logits.begin());
+    }
+    llama_batch_free(batch);
+    return lp;
+}
+
+struct snapshot {
+    llama_kvcomp_snapshot top = {};
+    std::vector<llama_kvcomp_head_snapshot> heads;
+    std::vector<llama_kvcomp_seq_snapshot> seqs;
+    std::vector<llama_kvcomp_degrade_event> events;
+    bool ok = false;
+};
+
+snapshot get_snapshot(llama_context * ctx) {
+    snapshot s;
+    s.heads.resize(1024);
+    s.seqs.resize(16);
+    s.events.resize(64);
+    s.ok = llama_kvcomp_get_snapshot(ctx, &s.top, s.heads.data(), (int32_t) s.heads.size(), s.seqs.data(),
+                                     (int32_t) s.seqs.size(), s.events.data(), (int32_t) s.events.size()) == 0;
+    s.heads.resize(std::min<size_t>(s.heads.size(), std::max(0, s.top.n_heads)));
+    s.seqs.resize(std::min<size_t>(s.seqs.size(), std::max(0, s.top.n_seqs)));
+    s.events.resize(std::min<size_t>(s.events.size(), std::max(0, s.top.n_events)));
+    return s;
+}
+
+// The monitor (docs/monitoring.md): per-head metrics agree with the per-layer tracker stats,
+// the perplexity windows with log-probabilities computed here, and a forced-low baseline
+// walks the ladder down to "off" while generation goes on.
+void test_monitor(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
+    ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
+    llama_kvcomp_params p;
+    llama_kvcomp_mode_preset(LLAMA_KVCOMP_MODE_BALANCED, &p, nullptr, nullptr);
+    llama_kvcomp_monitor_params mp = llama_kvcomp_monitor_default_params();
+    mp.ppl_window      = 8;
+    mp.degrade_windows = 2;
+    mp.baseline_ppl    = 0.5f; // below any perplexity: every window is above 1.2 x 0.5
+    if (!c.ctx || llama_kvcomp_configure(c.ctx, &p) != 0 || llama_kvcomp_set_monitor(c.ctx, &mp) != 0) {
+        rep.check(false, "monitor: context with balanced and a monitor");
+        return;
+    }
+    llama_kvcomp_monitor_params bad = mp;
+    bad.degrade_ratio = 0.5f;
+    const bool refused_ratio = llama_kvcomp_set_monitor(c.ctx, &bad) == -1;
+    bad = mp;
+    bad.ppl_window = 0;
+    rep.check(refused_ratio && llama_kvcomp_set_monitor(c.ctx, &bad) == -1 &&
+              llama_kvcomp_monitor_params_error(&mp) == nullptr, "monitor: invalid params are refused");
+
+    // prompt in ubatches of 16 so the tracker measures, then the first windows
+    std::vector<float> logits = decode(c.ctx, toks, 0, 256, 16);
+    llama_kvcomp_monitor_refresh(c.ctx);
+    snapshot s = get_snapshot(c.ctx);
+    const int32_t n_layer = llama_model_n_layer(model);
+    bool per_layer = s.ok && !s.heads.empty();
+    int n_checked = 0;
+    for (int32_t il = 0; il < n_layer && per_layer; ++il) {
+        llama_kvcomp_layer_stats ls;
+        if (llama_kvcomp_get_layer_stats(c.ctx, il, &ls) != 0) {
+            continue;
+        }
+        // the layer's RMSE is the root mean of its heads' squares (same rows, same head width)
+        double sq = 0.0;
+        int nh = 0;
+        for (const auto & h : s.heads) {
+            if (h.il == il) {
+                sq += (double) h.k_rmse * h.k_rmse;
+                per_layer = per_layer && h.k_rmse > 0.0f && h.k_rmse_rel > 0.0f && h.k_rmse_rel < 0.5f &&
+                            std::isfinite(h.buf_l2_k) && h.buf_l2_k > 0.0f && h.buf_l2_v > 0.0f;
+                ++nh;
+            }
+        }
+        per_layer = per_layer && nh == ls.n_head_kv && std::fabs(std::sqrt(sq / nh) - ls.k_rmse) <= 1e-3 * ls.k_rmse;
+        ++n_checked;
+    }
+    rep.check(per_layer && n_checked == n_layer && s.top.n_used > 0 && s.top.fill > 0.0f && s.top.fill <= 1.0f,
+              "monitor: %zu layer/head rows, the heads' K RMSE make up each layer's, buffer norms set (fill %.2f)",
+              s.heads.size(), s.top.fill);
+
+    // two windows of 8: both above the forced baseline -> balanced steps to low-latency
+    const std::vector<double> lp = generate_observed(c.ctx, logits, 256, 16);
+    s = get_snapshot(c.ctx);
+    double ref = 0.0;
+    for (int i = 8; i < 16 && lp.size() == 16; ++i) {
+        ref += lp[i] / 8.0;
+    }
+    const double ppl_ref = std::exp(-ref);
+    llama_kvcomp_params got;
+    llama_kvcomp_get_config(c.ctx, &got);
+    rep.check(lp.size() == 16 && s.seqs.size() == 1 && s.seqs[0].n_tokens == 16 && s.seqs[0].n_windows == 2 &&
+              std::fabs(s.seqs[0].ppl_last - ppl_ref) <= 1e-3 * ppl_ref,
+              "monitor: window perplexity %.4f matches the reference %.4f", s.seqs.empty() ? 0.0f : s.seqs[0].ppl_last, ppl_ref);
+    rep.check(s.top.n_events == 1 && s.events.size() == 1 && s.events[0].mode_from == LLAMA_KVCOMP_MODE_BALANCED &&
+              s.events[0].mode_to == LLAMA_KVCOMP_MODE_LOW_LATENCY && got.mode == LLAMA_KVCOMP_MODE_LOW_LATENCY,
+              "monitor: two windows above 1.2 x baseline step balanced -> low-latency");
+
+    // two more -> off (every new token exact), then the bottom of the ladder stays
+    const std::vector<double> lp2 = generate_observed(c.ctx, logits, 272, 32);
+    s = get_snapshot(c.ctx);
+    llama_kvcomp_get_config(c.ctx, &got);
+    rep.check(lp2.size() == 32 && s.top.n_events == 2 && got.mode == LLAMA_KVCOMP_MODE_OFF &&
+              got.window == (int32_t) llama_n_ctx_seq(c.ctx) && s.events.size() == 2 &&
+              s.events[1].mode_to == LLAMA_KVCOMP_MODE_OFF,
+              "monitor: the ladder ends at off with every new token exact; generation went on (%d steps)", s.top.n_events);
+
+    // the text forms carry the same numbers
+    const int64_t n_json = llama_kvcomp_snapshot_text(c.ctx, LLAMA_KVCOMP_FORMAT_JSON, -1, nullptr, 0);
+    std::string json(n_json > 0 ? (size_t) n_json + 1 : 1, '\0');
+    llama_kvcomp_snapshot_text(c.ctx, LLAMA_KVCOMP_FORMAT_JSON, -1, json.data(), json.size());
+    const int64_t n_prom = llama_kvcomp_snapshot_text(c.ctx, LLAMA_KVCOMP_FORMAT_PROMETHEUS, -1, nullptr, 0);
+    std::string prom(n_prom > 0 ? (size_t) n_prom + 1 : 1, '\0');
+    llama_kvcomp_snapshot_text(c.ctx, LLAMA_KVCOMP_FORMAT_PROMETHEUS, -1, prom.data(), prom.size());
+    rep.check(n_json > 0 && json.find("\"mode\":\"off\"") != std::string::npos &&
+              json.find("\"from\":\"balanced\",\"to\":\"low-latency\"") != std::string::npos &&
+              prom.find("llamacpp:kvcomp_k_rmse{layer=\"0\",head=\"0\"} ") != std::string::npos &&
+              prom.find("llamacpp:kvcomp_degrade_steps_total 2\n") != std::string::npos &&
+              llama_kvcomp_snapshot_text(c.ctx, 7, -1, nullptr, 0) == -1,
+              "monitor: JSON (%lld bytes) and Prometheus (%lld bytes) texts", (long long) n_json, (long long) n_prom);
+}
+
 } // namespace
 
 int main(int argc, char ** argv) {
@@ -729,6 +882,7 @@ int main(int argc, char ** argv) {
     if (n >= 300) {
         test_residual_buffer(rep, model, toks);
         test_tracker(rep, model, toks);
+        test_monitor(rep, model, toks);
     }
 
     llama_model_free(model);
