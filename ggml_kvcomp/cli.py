@@ -108,6 +108,19 @@ def cmd_steps(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    settings = perplexity.RunSettings(
+        model=models.fetch_model(args.model), corpus=corpus.corpus_file(),
+        ctx=args.ctx, chunks=args.chunks, threads=args.threads,
+    )
+    profile = perplexity.run_profile(settings)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    print(f"kvcomp profile: {args.model}: f16-KV perplexity {profile['ppl']} -> {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcomp", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -116,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS))
         sp.add_argument("--configs", help="comma-separated K/V types, 'k/v' for a mixed pair, or a mode "
                         "(off, low-latency, balanced, high-precision); knobs as ':w32' window, ':s4' sinks, "
-                        "':n8' merge interval, ':p0.1' pin threshold, ':b2' pin budget (%%), ':t1' scale tracker "
+                        "':n8' merge interval, ':p0.1' pin threshold, ':b2' pin budget (%%), ':t1' scale tracker, "
+                        "':m0' monitor off "
                         "(default: f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,kvc2,kvc8/kvc4)")
         sp.add_argument("--threads", type=_positive, default=2)
         sp.add_argument("--json", help="also write the results as JSON to this file")
@@ -140,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--depth", type=_positive, default=4096)
     st.add_argument("--n-gen", type=_positive, default=64)
     st.set_defaults(func=cmd_steps)
+
+    pr = sub.add_parser("profile", help="calibration profile (f16-KV perplexity) for llama-server --kv-comp-baseline")
+    pr.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS))
+    pr.add_argument("--threads", type=_positive, default=2)
+    pr.add_argument("--ctx", type=_positive, default=512)
+    pr.add_argument("--chunks", type=_positive, default=8)
+    pr.add_argument("--out", required=True, help="the JSON file to write")
+    pr.set_defaults(func=cmd_profile)
     return p
 
 

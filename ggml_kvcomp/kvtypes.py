@@ -29,6 +29,7 @@ KNOBS: dict[str, tuple[str, str]] = {
     "p": ("pin_threshold", "--kv-comp-pin-threshold"),
     "b": ("pin_budget", "--kv-comp-pin-budget"),
     "t": ("tracker", "--kv-comp-tracker"),
+    "m": ("monitor", "--kv-comp-monitor"),
 }
 
 
@@ -45,6 +46,7 @@ class KvConfig:
     pin_budget: float = 1.0  # --kv-comp-pin-budget (per cent of cells)
     tracker: int = 0  # --kv-comp-tracker (1 on)
     mode: ModeName | None = None  # --kv-comp; the knobs above then start from its preset
+    monitor: int = 1  # --kv-comp-monitor (on with kvcomp; 0 off)
 
     def __post_init__(self) -> None:
         for t in (self.type_k, self.type_v):
@@ -56,8 +58,8 @@ class KvConfig:
             raise ValueError("the merge interval must be >= 1")
         if self.pin_threshold < 0 or not 0 <= self.pin_budget <= 100:
             raise ValueError("the pin threshold must be >= 0 and the pin budget in [0, 100]")
-        if self.tracker not in (0, 1):
-            raise ValueError("the tracker is 1 (on) or 0 (off)")
+        if self.tracker not in (0, 1) or self.monitor not in (0, 1):
+            raise ValueError("the tracker and the monitor are 1 (on) or 0 (off)")
         if self.mode is not None and self.mode not in MODE_NAMES:
             raise ValueError(f"unknown mode {self.mode!r}; known: {', '.join(MODE_NAMES)}")
 
@@ -115,7 +117,7 @@ class KvConfig:
                 raise ValueError(f"bad knob {knob!r} in {spec!r}: expected one of "
                                  f"{', '.join(letter + '<N>' for letter in KNOBS)}")
             field = KNOBS[letter][0]
-            if field in ("window", "sinks", "merge_interval", "tracker"):
+            if field in ("window", "sinks", "merge_interval", "tracker", "monitor"):
                 if not text.isdigit():
                     raise ValueError(f"bad knob {knob!r} in {spec!r}: {field} takes a whole number")
                 values[field] = int(text)

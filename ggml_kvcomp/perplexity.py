@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .kvtypes import BITS_PER_ELEMENT, KvConfig
-from .paths import binary, cache_dir
+from .paths import binary, cache_dir, sha256_file
 
 
 @dataclass(frozen=True)
@@ -169,3 +169,18 @@ def run_kld(cfg: KvConfig, s: RunSettings) -> KldResult:
     log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", fa, *cfg.tool_args(),
                 "--kl-divergence-base", str(base), "--kl-divergence"])
     return parse_kld(cfg.label, cfg, log)
+
+
+def run_profile(s: RunSettings) -> dict[str, object]:
+    """A calibration profile for the server's degrade policy (--kv-comp-baseline FILE): the
+    model's perplexity on the corpus with an f16 KV cache."""
+    log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", "on", "-ctk", "f16", "-ctv", "f16"])
+    return {
+        "model": s.model.name,
+        "model_sha256": sha256_file(s.model),
+        "corpus": s.corpus.name,
+        "ctx": s.ctx,
+        "chunks": s.chunks,
+        "kv": "f16",
+        "ppl": _number(r"Final estimate: PPL = ([\d.]+)", log),
+    }

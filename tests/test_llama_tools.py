@@ -8,14 +8,10 @@ for unsupported combinations.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
-import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,8 @@ import pytest
 from ggml_kvcomp import models, perplexity, steps
 from ggml_kvcomp.capi import MODE_NAMES, mode_preset
 from ggml_kvcomp.kvtypes import BITS_PER_ELEMENT, KNOBS, KVC_TYPES, KvConfig
+
+from .server import post, server
 
 
 def _ppl_args(bins: Path, model: Path, text: Path, *extra: str) -> list[str]:
@@ -92,7 +90,8 @@ def test_llama_bench_accepts_kvc_types(bins: Path, model: Path) -> None:
 def test_every_tool_lists_the_buffer_flags(bins: Path, tool: str) -> None:
     proc = subprocess.run([str(bins / tool), "--help"], capture_output=True, text=True, timeout=60)
     out = proc.stdout + proc.stderr
-    for flag in [knob[1] for knob in KNOBS.values()] + ["--kv-comp-merge-at", "--kv-comp ", "--kv-comp-ema"]:
+    for flag in [knob[1] for knob in KNOBS.values()] + ["--kv-comp-merge-at", "--kv-comp ", "--kv-comp-ema",
+                                                     "--kv-comp-baseline", "--kv-comp-degrade-windows"]:
         assert flag in out, f"{tool} --help lacks {flag}"
 
 
@@ -109,47 +108,9 @@ def test_llama_bench_runs_the_residual_buffer(bins: Path, model: Path) -> None:
     assert "--kv-comp-window: the window must be >= 0" in bad.stderr + bad.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _server(bins: Path, model: Path, *extra: str) -> Iterator[str]:
-    """A llama-server on a free loopback port; yields its base URL."""
-    port = _free_port()
-    proc = subprocess.Popen([str(bins / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                             "-t", "2", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, "llama-server exited during start-up"
-            assert time.time() < deadline, "llama-server did not become healthy"
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def _post(url: str, body: dict[str, object]) -> dict[str, object]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=180) as r:
-        result: dict[str, object] = json.loads(r.read())
-        return result
-
-
 def test_server_generates_with_kvc_cache(bins: Path, model: Path) -> None:
-    with _server(bins, model, "-c", "1024", "-np", "2", "-fa", "on", "-ctk", "kvc8", "-ctv", "kvc4") as url:
-        body = _post(f"{url}/completion", {"prompt": "The capital of France is", "n_predict": 8, "temperature": 0})
+    with server(bins, model, "-c", "1024", "-np", "2", "-fa", "on", "-ctk", "kvc8", "-ctv", "kvc4") as url:
+        body = post(f"{url}/completion", {"prompt": "The capital of France is", "n_predict": 8, "temperature": 0})
         assert body["tokens_predicted"] == 8
         assert isinstance(body["content"], str) and body["content"]
 
@@ -158,24 +119,24 @@ def test_server_generates_with_kvc_cache(bins: Path, model: Path) -> None:
 def test_server_residual_buffer_parallel_slots_and_slot_files(bins: Path, model: Path, tmp_path: Path, kv: str) -> None:
     prompts = [f"Write a short note about the number {i} and why it is interesting:" for i in range(4)]
     request = {"n_predict": 24, "temperature": 0, "cache_prompt": False}
-    with _server(bins, model, "-c", "2048", "-np", "4", kv, "-fa", "on", "-ctk", "kvc4", "-ctv", "kvc4",
+    with server(bins, model, "-c", "2048", "-np", "4", kv, "-fa", "on", "-ctk", "kvc4", "-ctv", "kvc4",
                  "--kv-comp-window", "8", "--kv-comp-sinks", "2", "--slot-save-path", str(tmp_path)) as url:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            together = list(pool.map(lambda p: _post(f"{url}/completion", {"prompt": p, **request}), prompts))
+            together = list(pool.map(lambda p: post(f"{url}/completion", {"prompt": p, **request}), prompts))
         assert all(r["tokens_predicted"] == 24 and r["content"] for r in together)
         # (exact isolation of sequences is checked in test-kvc-llama; here the kernels differ
         # between 4 slots at once and 1, so greedy text may too)
-        alone = _post(f"{url}/completion", {"prompt": prompts[2], **request, "id_slot": 0})
+        alone = post(f"{url}/completion", {"prompt": prompts[2], **request, "id_slot": 0})
 
-        saved = _post(f"{url}/slots/0?action=save", {"filename": "slot0.bin"})
+        saved = post(f"{url}/slots/0?action=save", {"filename": "slot0.bin"})
         assert saved["n_saved"] == alone["tokens_evaluated"] + 23  # type: ignore[operator]
-        restored = _post(f"{url}/slots/1?action=restore", {"filename": "slot0.bin"})
+        restored = post(f"{url}/slots/1?action=restore", {"filename": "slot0.bin"})
         assert restored["n_restored"] == saved["n_saved"]
         (tmp_path / "bad.bin").write_bytes((tmp_path / "slot0.bin").read_bytes()[:-7])
         with pytest.raises(urllib.error.HTTPError):
-            _post(f"{url}/slots/2?action=restore", {"filename": "bad.bin"})
+            post(f"{url}/slots/2?action=restore", {"filename": "bad.bin"})
         # the server survives the bad file and still answers
-        again = _post(f"{url}/completion", {"prompt": prompts[1], **request, "id_slot": 1})
+        again = post(f"{url}/completion", {"prompt": prompts[1], **request, "id_slot": 1})
         assert again["tokens_predicted"] == 24
 
 

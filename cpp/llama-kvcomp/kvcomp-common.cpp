@@ -4,8 +4,11 @@
 #include "common.h"
 #include "log.h"
 
+#include <nlohmann/json.hpp>
+
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 
@@ -73,6 +76,45 @@ static void kvcomp_set_mode(common_params & params, const std::string & name) {
     // quantized V and the buffer need flash attention; an explicit -fa off is refused later
     if (mode != LLAMA_KVCOMP_MODE_OFF && params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_AUTO) {
         params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    }
+}
+
+// The monitor's flags (not part of a mode), applied with the knobs.
+static llama_kvcomp_monitor_params & kvcomp_monitor_params() {
+    static llama_kvcomp_monitor_params params = llama_kvcomp_monitor_default_params();
+    return params;
+}
+
+template <typename T>
+static void kvcomp_set_monitor(const char * flag, T llama_kvcomp_monitor_params::*field, T value) {
+    llama_kvcomp_monitor_params p = kvcomp_monitor_params();
+    p.*field = value;
+    if (const char * err = llama_kvcomp_monitor_params_error(&p)) {
+        throw std::invalid_argument(std::string(flag) + ": " + err);
+    }
+    kvcomp_monitor_params() = p;
+}
+
+// --kv-comp-baseline: a perplexity, or a calibration profile (JSON with "ppl", written by
+// `kvcomp profile`)
+static float kvcomp_parse_baseline(const std::string & value) {
+    size_t end = 0;
+    try {
+        const float v = std::stof(value, &end);
+        if (end == value.size()) {
+            return v;
+        }
+    } catch (const std::exception &) {
+    }
+    std::ifstream f(value);
+    if (!f) {
+        throw std::invalid_argument("--kv-comp-baseline: neither a number nor a readable file: '" + value + "'");
+    }
+    try {
+        const nlohmann::json j = nlohmann::json::parse(f);
+        return j.at("ppl").get<float>();
+    } catch (const std::exception & e) {
+        throw std::invalid_argument("--kv-comp-baseline: " + value + " is not a calibration profile (JSON with \"ppl\"): " + e.what());
     }
 }
 
@@ -178,6 +220,62 @@ std::vector<common_arg> common_kvcomp_args() {
             kvcomp_set(params, "--kv-comp-ema", KVCOMP_KNOB_EMA, &llama_kvcomp_params::ema_deep, b);
         }
     ).set_env("LLAMA_ARG_KV_COMP_EMA"));
+    args.push_back(common_arg(
+        {"--kv-comp-monitor"}, "on|off",
+        "kvcomp monitor: per layer/head metrics, perplexity windows of generated tokens and the degrade policy "
+        "(default: on whenever kvcomp is)",
+        [](common_params &, const std::string & value) {
+            kvcomp_set_monitor("--kv-comp-monitor", &llama_kvcomp_monitor_params::enabled,
+                (int32_t) kvcomp_parse_switch("--kv-comp-monitor", value));
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_MONITOR"));
+    args.push_back(common_arg(
+        {"--kv-comp-ppl-window"}, "N",
+        "kvcomp monitor: generated tokens per perplexity window (default: 64)",
+        [](common_params &, int value) {
+            kvcomp_set_monitor("--kv-comp-ppl-window", &llama_kvcomp_monitor_params::ppl_window, value);
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_PPL_WINDOW"));
+    args.push_back(common_arg(
+        {"--kv-comp-degrade-ratio"}, "R",
+        "kvcomp monitor: a window is above baseline when its perplexity exceeds R x the baseline (default: 1.2)",
+        [](common_params &, const std::string & value) {
+            kvcomp_set_monitor("--kv-comp-degrade-ratio", &llama_kvcomp_monitor_params::degrade_ratio,
+                kvcomp_parse_float("--kv-comp-degrade-ratio", value));
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_DEGRADE_RATIO"));
+    args.push_back(common_arg(
+        {"--kv-comp-degrade-windows"}, "K",
+        "kvcomp monitor: K windows above baseline in a row step the mode down high-precision -> balanced -> "
+        "low-latency -> off (default: 3; 0: never)",
+        [](common_params &, int value) {
+            kvcomp_set_monitor("--kv-comp-degrade-windows", &llama_kvcomp_monitor_params::degrade_windows, value);
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_DEGRADE_WINDOWS"));
+    args.push_back(common_arg(
+        {"--kv-comp-baseline"}, "PPL|FILE",
+        "kvcomp monitor: baseline perplexity, or a calibration profile from `kvcomp profile` (default: each "
+        "sequence's first window)",
+        [](common_params &, const std::string & value) {
+            kvcomp_set_monitor("--kv-comp-baseline", &llama_kvcomp_monitor_params::baseline_ppl, kvcomp_parse_baseline(value));
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_BASELINE"));
+    args.push_back(common_arg(
+        {"--kv-comp-fill-warn"}, "F",
+        "kvcomp monitor: warn when this fraction of the residual buffer is in use (default: 0.8)",
+        [](common_params &, const std::string & value) {
+            kvcomp_set_monitor("--kv-comp-fill-warn", &llama_kvcomp_monitor_params::fill_warn,
+                kvcomp_parse_float("--kv-comp-fill-warn", value));
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_FILL_WARN"));
+    args.push_back(common_arg(
+        {"--kv-comp-l2-jump"}, "J",
+        "kvcomp monitor: warn when a layer/head's buffer K norm exceeds J x its running mean (default: 2; 0: never)",
+        [](common_params &, const std::string & value) {
+            kvcomp_set_monitor("--kv-comp-l2-jump", &llama_kvcomp_monitor_params::l2_jump,
+                kvcomp_parse_float("--kv-comp-l2-jump", value));
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_L2_JUMP"));
     return args;
 }
 
@@ -196,6 +294,15 @@ static void kvcomp_log_config(const llama_kvcomp_params & p, ggml_type type_k, g
     LOG_INF("kvcomp: pin budget     = %.2f%% (%s)\n", p.pin_budget, src(KVCOMP_KNOB_PIN_BUDGET));
     LOG_INF("kvcomp: tracker        = %s (%s)\n", p.tracker ? "on" : "off", src(KVCOMP_KNOB_TRACKER));
     LOG_INF("kvcomp: ema            = %.3f,%.3f (%s)\n", p.ema_shallow, p.ema_deep, src(KVCOMP_KNOB_EMA));
+    const llama_kvcomp_monitor_params & m = kvcomp_monitor_params();
+    if (!m.enabled) {
+        LOG_INF("kvcomp: monitor        = off\n");
+        return;
+    }
+    const std::string baseline = m.baseline_ppl > 0.0f ? std::to_string(m.baseline_ppl) : "first window";
+    LOG_INF("kvcomp: monitor        = on (window %d tokens, degrade after %d windows above %.2f x baseline %s, "
+            "fill warning %.2f, L2 jump %.1f)\n", m.ppl_window, m.degrade_windows, m.degrade_ratio, baseline.c_str(),
+            m.fill_warn, m.l2_jump);
 }
 
 bool common_kvcomp_apply(llama_context * ctx, const common_params & params) {
@@ -206,7 +313,7 @@ bool common_kvcomp_apply(llama_context * ctx, const common_params & params) {
     ggml_type type_k = GGML_TYPE_COUNT, type_v = GGML_TYPE_COUNT;
     llama_kvcomp_get_cache_types(ctx, &type_k, &type_v);
     kvcomp_log_config(p, type_k, type_v);
-    if (llama_kvcomp_configure(ctx, &p) != 0) {
+    if (llama_kvcomp_configure(ctx, &p) != 0 || llama_kvcomp_set_monitor(ctx, &kvcomp_monitor_params()) != 0) {
         LOG_ERR("kvcomp: the configuration could not be applied (see the reason above)\n");
         return false;
     }

@@ -334,25 +334,23 @@ std::string llama_kvcomp_monitor::text(int32_t format, int32_t layer) const {
         o.family("degrade_steps_total", "counter", "Steps down the mode ladder taken by the degrade policy.");
         o.sample("degrade_steps_total", "", snap.n_events);
 
-        o.family("window_perplexity", "gauge", "Perplexity of the last complete window of generated tokens, per slot (sequence).");
-        for (const auto & s : sq) {
-            snprintf(lb, sizeof(lb), "{slot=\"%d\"}", s.seq_id);
-            o.sample("window_perplexity", lb, s.ppl_last);
-        }
-        o.family("baseline_perplexity", "gauge", "Baseline perplexity the windows are compared with, per slot (0: not set yet).");
-        for (const auto & s : sq) {
-            snprintf(lb, sizeof(lb), "{slot=\"%d\"}", s.seq_id);
-            o.sample("baseline_perplexity", lb, s.ppl_baseline);
-        }
-        o.family("windows_above", "gauge", "Consecutive windows above the degrade threshold, per slot.");
-        for (const auto & s : sq) {
-            snprintf(lb, sizeof(lb), "{slot=\"%d\"}", s.seq_id);
-            o.sample("windows_above", lb, s.n_above);
-        }
-        o.family("generated_tokens_total", "counter", "Generated tokens observed, per slot, since its request started.");
-        for (const auto & s : sq) {
-            snprintf(lb, sizeof(lb), "{slot=\"%d\"}", s.seq_id);
-            o.sample("generated_tokens_total", lb, (double) s.n_tokens);
+        struct seq_series { const char * name; const char * type; const char * help; double (*value)(const llama_kvcomp_seq_snapshot &); };
+        const seq_series ss[] = {
+            { "window_perplexity", "gauge", "Perplexity of the last complete window of generated tokens, per slot (sequence).",
+              [](const llama_kvcomp_seq_snapshot & q) { return (double) q.ppl_last; } },
+            { "baseline_perplexity", "gauge", "Baseline perplexity the windows are compared with, per slot (0: not set yet).",
+              [](const llama_kvcomp_seq_snapshot & q) { return (double) q.ppl_baseline; } },
+            { "windows_above", "gauge", "Consecutive windows above the degrade threshold, per slot.",
+              [](const llama_kvcomp_seq_snapshot & q) { return (double) q.n_above; } },
+            { "generated_tokens_total", "counter", "Generated tokens observed, per slot, since its request started.",
+              [](const llama_kvcomp_seq_snapshot & q) { return (double) q.n_tokens; } },
+        };
+        for (const auto & f : ss) {
+            o.family(f.name, f.type, f.help);
+            for (const auto & q : sq) {
+                snprintf(lb, sizeof(lb), "{slot=\"%d\"}", q.seq_id);
+                o.sample(f.name, lb, f.value(q));
+            }
         }
         return o.s;
     }

@@ -1,6 +1,7 @@
 // Per-step decode latency with the residual buffer, for the merge-cost measurement of issue 3:
 // fills the context to a depth, then decodes single tokens and times each step, sorting the
-// steps by whether the buffer ran a merge pass in them. Prints one JSON object.
+// steps by whether the buffer ran a merge pass in them, with the monitor's per-token work
+// inside each step (issue 5's overhead measurement). Prints one JSON object.
 //
 // Usage: llama-kvcomp-steps -m MODEL -c CTX -n N_GEN [-ctk T -ctv T -fa on -t N --kv-comp-...]
 // The context is filled to CTX - N_GEN - 1 tokens first. Common flags apply as in llama-cli.
@@ -78,6 +79,9 @@ int main(int argc, char ** argv) {
             LOG_ERR("decode failed at step %d\n", i);
             return 1;
         }
+        // the monitor's share of a step, as llama-server pays it after sampling (a no-op with
+        // the monitor off)
+        llama_kvcomp_observe(ctx, 0, -1, token_at(depth + i + 1));
         llama_synchronize(ctx);
         const double ms = (ggml_time_us() - t0) / 1000.0;
         all.push_back(ms);

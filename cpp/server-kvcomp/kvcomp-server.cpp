@@ -1,0 +1,104 @@
+#include "kvcomp-server.h"
+
+#include "server-common.h"
+
+#include "llama-kvcomp.h"
+#include "llama.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+static bool kvcomp_snapshot_string(llama_context * ctx, int32_t format, int32_t layer, std::string & out) {
+    const int64_t n = ctx ? llama_kvcomp_snapshot_text(ctx, format, layer, nullptr, 0) : -1;
+    if (n < 0) {
+        return false;
+    }
+    out.assign((size_t) n + 1, '\0');
+    llama_kvcomp_snapshot_text(ctx, format, layer, out.data(), out.size());
+    out.resize((size_t) n);
+    return true;
+}
+
+static server_http_res_ptr kvcomp_error(const std::string & message, error_type type) {
+    auto res = std::make_unique<server_http_res>();
+    const json err = format_error_response(message, type);
+    res->status = json_value(err, "code", 500);
+    res->data   = safe_json_to_str({ { "error", err } });
+    return res;
+}
+
+server_http_context::handler_t kvcomp_server_metrics_handler(server_http_context::handler_t upstream,
+                                                             std::function<llama_context *()> get_ctx) {
+    return [upstream = std::move(upstream), get_ctx = std::move(get_ctx)](const server_http_req & req) -> server_http_res_ptr {
+        server_http_res_ptr res = upstream(req);
+        std::string text;
+        if (res && res->status == 200 && !res->is_stream() &&
+            kvcomp_snapshot_string(get_ctx(), LLAMA_KVCOMP_FORMAT_PROMETHEUS, -1, text)) {
+            res->data += text;
+        }
+        return res;
+    };
+}
+
+// the model layers the snapshot has rows for
+static int32_t kvcomp_snapshot_layers(llama_context * ctx) {
+    llama_kvcomp_snapshot snap = {};
+    if (!ctx || llama_kvcomp_get_snapshot(ctx, &snap, nullptr, 0, nullptr, 0, nullptr, 0) != 0 || snap.n_heads <= 0) {
+        return 0;
+    }
+    std::vector<llama_kvcomp_head_snapshot> heads(snap.n_heads);
+    llama_kvcomp_get_snapshot(ctx, &snap, heads.data(), (int32_t) heads.size(), nullptr, 0, nullptr, 0);
+    int32_t n = 0;
+    for (const auto & h : heads) {
+        n = std::max(n, h.il + 1);
+    }
+    return n;
+}
+
+server_http_context::handler_t kvcomp_server_handler(bool enabled, std::function<llama_context *()> get_ctx) {
+    return [enabled, get_ctx = std::move(get_ctx)](const server_http_req & req) -> server_http_res_ptr {
+        if (!enabled) {
+            return kvcomp_error("This server does not support the kvcomp endpoint. Start it with `--metrics`", ERROR_TYPE_NOT_SUPPORTED);
+        }
+        for (const auto & [key, value] : req.params) {
+            if (key != "layer" && key != "format") {
+                return kvcomp_error("unknown query parameter '" + key + "' (layer, format)", ERROR_TYPE_INVALID_REQUEST);
+            }
+        }
+        const std::string fmt = req.get_param("format", "json");
+        if (fmt != "json" && fmt != "prometheus") {
+            return kvcomp_error("format must be json or prometheus, got '" + fmt + "'", ERROR_TYPE_INVALID_REQUEST);
+        }
+        llama_context * ctx = get_ctx();
+        int32_t layer = -1;
+        const std::string layer_str = req.get_param("layer");
+        if (!layer_str.empty()) {
+            size_t end = 0;
+            long v = -1;
+            try {
+                v = std::stol(layer_str, &end);
+            } catch (const std::exception &) {
+                end = 0;
+            }
+            const int32_t n_layer = kvcomp_snapshot_layers(ctx);
+            if (end != layer_str.size() || v < 0 || v >= n_layer) {
+                return kvcomp_error("layer must be a whole number in [0, " + std::to_string(n_layer) + "), got '" + layer_str + "'",
+                    ERROR_TYPE_INVALID_REQUEST);
+            }
+            layer = (int32_t) v;
+        }
+        const int32_t format = fmt == "json" ? LLAMA_KVCOMP_FORMAT_JSON : LLAMA_KVCOMP_FORMAT_PROMETHEUS;
+        std::string text;
+        if (!kvcomp_snapshot_string(ctx, format, layer, text)) {
+            return kvcomp_error("kvcomp monitoring is off (start the server with --kv-comp MODE and --kv-comp-monitor on)",
+                ERROR_TYPE_NOT_SUPPORTED);
+        }
+        auto res = std::make_unique<server_http_res>();
+        res->status       = 200;
+        res->content_type = format == LLAMA_KVCOMP_FORMAT_JSON ? "application/json; charset=utf-8" : "text/plain; version=0.0.4";
+        res->data         = std::move(text);
+        return res;
+    };
+}

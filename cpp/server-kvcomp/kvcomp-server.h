@@ -1,0 +1,21 @@
+#pragma once
+
+// kvcomp in llama-server: the monitor's series appended to /metrics, and GET /kvcomp with the
+// JSON snapshot (docs/monitoring.md).
+
+#include "server-http.h"
+
+#include <functional>
+
+struct llama_context;
+
+// /metrics: upstream's handler, then the monitor's series when it answered 200.
+server_http_context::handler_t kvcomp_server_metrics_handler(server_http_context::handler_t upstream,
+                                                             std::function<llama_context *()> ctx);
+
+// GET /kvcomp[?layer=N][&format=json|prometheus]: the snapshot; 501 when the endpoint or the
+// monitor is off, 400 for a bad query.
+// ctx is asked for when a request comes (the model loads after the routes are registered);
+// it only names the monitor (the snapshot is a copy the decoding thread published), so the
+// HTTP threads never touch the context itself.
+server_http_context::handler_t kvcomp_server_handler(bool enabled, std::function<llama_context *()> ctx);
