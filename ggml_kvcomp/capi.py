@@ -30,6 +30,41 @@ class LlamaKvcompParams(ctypes.Structure):
     ]
 
 
+class LlamaKvcompMonitorParams(ctypes.Structure):
+    """struct llama_kvcomp_monitor_params"""
+
+    _fields_ = [
+        ("enabled", ctypes.c_int32),
+        ("ppl_window", ctypes.c_int32),
+        ("degrade_ratio", ctypes.c_float),
+        ("degrade_windows", ctypes.c_int32),
+        ("baseline_ppl", ctypes.c_float),
+        ("fill_warn", ctypes.c_float),
+        ("l2_jump", ctypes.c_float),
+        ("refresh", ctypes.c_int32),
+    ]
+
+
+class LlamaKvcompStats(ctypes.Structure):
+    """struct llama_kvcomp_stats"""
+
+    _fields_ = [
+        ("n_slots", ctypes.c_int32),
+        ("n_used", ctypes.c_int32),
+        ("n_pinned", ctypes.c_int32),
+        ("n_pin_budget", ctypes.c_int32),
+        ("n_merges", ctypes.c_int64),
+        ("n_released", ctypes.c_int64),
+        ("n_overflow", ctypes.c_int64),
+        ("pin_err_min", ctypes.c_float),
+        ("evicted_err_max", ctypes.c_float),
+    ]
+
+
+LLAMA_KVCOMP_FORMAT_JSON = 0
+LLAMA_KVCOMP_FORMAT_PROMETHEUS = 1
+
+
 @dataclass(frozen=True)
 class ModePreset:
     """One row of the C++ mode table."""
@@ -60,7 +95,81 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     # const char * ggml_type_name(enum ggml_type type);
     base.ggml_type_name.argtypes = [ctypes.c_int]
     base.ggml_type_name.restype = ctypes.c_char_p
+    # int32_t llama_kvcomp_type_from_name(const char * name);
+    llama.llama_kvcomp_type_from_name.argtypes = [ctypes.c_char_p]
+    llama.llama_kvcomp_type_from_name.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_configure(struct llama_context * ctx, const struct llama_kvcomp_params * params);
+    llama.llama_kvcomp_configure.argtypes = [ctypes.c_void_p, ctypes.POINTER(LlamaKvcompParams)]
+    llama.llama_kvcomp_configure.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_get_config(struct llama_context * ctx, struct llama_kvcomp_params * params);
+    llama.llama_kvcomp_get_config.argtypes = [ctypes.c_void_p, ctypes.POINTER(LlamaKvcompParams)]
+    llama.llama_kvcomp_get_config.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_set_mode(struct llama_context * ctx, int32_t mode);
+    llama.llama_kvcomp_set_mode.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    llama.llama_kvcomp_set_mode.restype = ctypes.c_int32
+    # const char * llama_kvcomp_mode_name(int32_t mode);
+    llama.llama_kvcomp_mode_name.argtypes = [ctypes.c_int32]
+    llama.llama_kvcomp_mode_name.restype = ctypes.c_char_p
+    # int32_t llama_kvcomp_get_cache_types(struct llama_context * ctx,
+    #                                      enum ggml_type * type_k, enum ggml_type * type_v);
+    llama.llama_kvcomp_get_cache_types.argtypes = [
+        ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+    llama.llama_kvcomp_get_cache_types.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_get_stats(struct llama_context * ctx, struct llama_kvcomp_stats * stats);
+    llama.llama_kvcomp_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(LlamaKvcompStats)]
+    llama.llama_kvcomp_get_stats.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_set_monitor(struct llama_context * ctx, const struct llama_kvcomp_monitor_params * params);
+    llama.llama_kvcomp_set_monitor.argtypes = [ctypes.c_void_p, ctypes.POINTER(LlamaKvcompMonitorParams)]
+    llama.llama_kvcomp_set_monitor.restype = ctypes.c_int32
+    # struct llama_kvcomp_monitor_params llama_kvcomp_monitor_default_params(void);
+    llama.llama_kvcomp_monitor_default_params.argtypes = []
+    llama.llama_kvcomp_monitor_default_params.restype = LlamaKvcompMonitorParams
+    # int32_t llama_kvcomp_monitor_refresh(struct llama_context * ctx);
+    llama.llama_kvcomp_monitor_refresh.argtypes = [ctypes.c_void_p]
+    llama.llama_kvcomp_monitor_refresh.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_observe(struct llama_context * ctx, llama_seq_id seq_id, int32_t i, llama_token token);
+    llama.llama_kvcomp_observe.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+    llama.llama_kvcomp_observe.restype = ctypes.c_int32
+    # int64_t llama_kvcomp_snapshot_text(struct llama_context * ctx, int32_t format, int32_t layer,
+    #                                    char * buf, size_t size);
+    llama.llama_kvcomp_snapshot_text.argtypes = [
+        ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+    llama.llama_kvcomp_snapshot_text.restype = ctypes.c_int64
     return base, llama
+
+
+def type_id(name: str) -> int:
+    """The ggml_type id of a tensor type name ('kvc4', 'q8_0', 'f16', ...), for
+    llama_cpp.Llama(type_k=..., type_v=...)."""
+    t = int(_libs()[1].llama_kvcomp_type_from_name(name.encode()))
+    if t < 0:
+        raise ValueError(f"unknown tensor type {name!r}")
+    return t
+
+
+def type_name(type_id: int) -> str:
+    base, _ = _libs()
+    return str(base.ggml_type_name(type_id).decode())
+
+
+def mode_id(mode: ModeName) -> int:
+    if mode not in MODE_NAMES:
+        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODE_NAMES)}")
+    _, llama = _libs()
+    return int(llama.llama_kvcomp_mode_from_name(mode.encode()))
+
+
+def mode_name(mode: int) -> str:
+    _, llama = _libs()
+    name = llama.llama_kvcomp_mode_name(mode)
+    if name is None:
+        raise ValueError(f"unknown mode id {mode}")
+    return str(name.decode())
+
+
+def lib() -> ctypes.CDLL:
+    """The built libllama with our functions typed."""
+    return _libs()[1]
 
 
 def mode_preset(mode: ModeName) -> ModePreset:

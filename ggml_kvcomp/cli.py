@@ -99,12 +99,14 @@ def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def cmd_steps(args: argparse.Namespace, argv: Sequence[str]) -> int:
     model = models.fetch_model(args.model)
     results = []
-    for cfg in _configs(args.configs):
+    configs = _configs(args.configs)
+    for cfg in configs:
         print(f"kvcomp steps: {cfg.label} ...", file=sys.stderr, flush=True)
         results.append(steps.run_steps(cfg, model, args.depth, args.n_gen, args.threads))
     heading = (f"Per-step decode latency, {args.model}, depth ~{args.depth}, {args.n_gen} steps, "
                f"{args.threads} threads")
-    _emit(args, argv, steps.steps_table(results), [asdict(r) for r in results], f"steps-{args.model}", heading, "")
+    _emit(args, argv, steps.steps_table(results), [asdict(r) for r in results],
+          f"steps-{args.model}" + _section_suffix(configs), heading, "")
     return 0
 
 

@@ -9,7 +9,8 @@ venv=${KVCOMP_VENV:-$root/.venv}
 if [ ! -x "$venv/bin/pytest" ] || [ pyproject.toml -nt "$venv/bin/pytest" ]; then
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet --upgrade pip
-    "$venv/bin/pip" install --quiet -e '.[test]'
+    # llama-cpp-python without its own native build: it loads ours (python/README.md)
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$venv/bin/pip" install --quiet -e '.[test,llama]'
     touch "$venv/bin/pytest"
 fi
 

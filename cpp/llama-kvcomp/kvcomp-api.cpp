@@ -91,6 +91,16 @@ int32_t llama_kvcomp_mode_preset(int32_t mode, llama_kvcomp_params * params, ggm
     return 0;
 }
 
+int32_t llama_kvcomp_type_from_name(const char * name) {
+    for (int32_t t = 0; name && t < GGML_TYPE_COUNT; ++t) {
+        const char * n = ggml_type_name((ggml_type) t);
+        if (n && std::strcmp(n, name) == 0) {
+            return t;
+        }
+    }
+    return -1;
+}
+
 const char * llama_kvcomp_mode_name(int32_t mode) {
     if (mode == LLAMA_KVCOMP_MODE_CUSTOM) {
         return "custom";

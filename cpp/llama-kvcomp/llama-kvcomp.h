@@ -45,6 +45,10 @@ LLAMA_API struct llama_kvcomp_params llama_kvcomp_default_params(void);
 LLAMA_API int32_t llama_kvcomp_mode_preset(int32_t mode, struct llama_kvcomp_params * params,
                                            enum ggml_type * type_k, enum ggml_type * type_v);
 
+// The ggml_type of a tensor type name ("kvc4", "q8_0", "f16", ...), or -1: for bindings that
+// pass cache types as numbers (llama-cpp-python's type_k/type_v).
+LLAMA_API int32_t llama_kvcomp_type_from_name(const char * name);
+
 // "off", "low-latency", "balanced", "high-precision", "custom"; NULL for an unknown mode.
 LLAMA_API const char * llama_kvcomp_mode_name(int32_t mode);
 

@@ -1,0 +1,145 @@
+"""llama-cpp-python on the kvcomp build: a Llama with a mode, its configuration, run-time mode
+switches and the monitor's snapshot (python/README.md).
+
+llama-cpp-python is installed without its own native build and loads the libraries of
+scripts/build.sh (LLAMA_CPP_LIB_PATH), so one patched tree serves the tools and Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .capi import (
+    LLAMA_KVCOMP_FORMAT_JSON,
+    LlamaKvcompParams,
+    LlamaKvcompStats,
+    ModeName,
+    lib,
+    mode_id,
+    mode_name,
+    mode_preset,
+    type_id,
+    type_name,
+)
+from .paths import bin_dir
+
+if TYPE_CHECKING:
+    import llama_cpp
+
+
+def import_llama_cpp() -> Any:
+    """llama_cpp, bound to the kvcomp build's libllama."""
+    want = str(bin_dir())
+    if "llama_cpp" in sys.modules:
+        if os.environ.get("LLAMA_CPP_LIB_PATH") != want:
+            raise RuntimeError("llama_cpp was imported before ggml_kvcomp set LLAMA_CPP_LIB_PATH; import "
+                               "ggml_kvcomp.llm first, or set LLAMA_CPP_LIB_PATH=" + want)
+        return sys.modules["llama_cpp"]
+    if not (Path(want) / "libllama.so").exists():
+        raise FileNotFoundError(f"{want}/libllama.so not found: build first with scripts/build.sh")
+    os.environ["LLAMA_CPP_LIB_PATH"] = want
+    import llama_cpp
+
+    return llama_cpp
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a context runs with, read back through the C API."""
+
+    mode: str
+    type_k: str
+    type_v: str
+    window: int
+    sinks: int
+    merge_interval: int
+    pin_threshold: float
+    pin_budget: float
+    tracker: bool
+
+
+def _ctx(llm: llama_cpp.Llama) -> int:
+    ctx = llm.ctx
+    if ctx is None:
+        raise ValueError("the Llama has no context")
+    return int(ctypes.cast(ctx, ctypes.c_void_p).value or 0)
+
+
+def open_llama(model: str | Path, mode: ModeName = "balanced", *, n_ctx: int = 2048, n_threads: int = 2,
+               **knobs: float) -> llama_cpp.Llama:
+    """A llama_cpp.Llama whose KV cache runs `mode`: its K/V types, flash attention, and its
+    knobs, of which `knobs` (window, sinks, merge_interval, merge_at, pin_threshold,
+    pin_budget, tracker) override single ones."""
+    lc = import_llama_cpp()
+    preset = mode_preset(mode)
+    llm: llama_cpp.Llama = lc.Llama(str(model), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                                    flash_attn=True, type_k=type_id(preset.type_k), type_v=type_id(preset.type_v),
+                                    verbose=False)
+    configure(llm, mode, **knobs)
+    return llm
+
+
+def configure(llm: llama_cpp.Llama, mode: ModeName, **knobs: float) -> None:
+    """Applies a mode's knobs (and overrides) to an open Llama; its K/V types stay."""
+    p = LlamaKvcompParams()
+    c = lib()
+    if c.llama_kvcomp_mode_preset(mode_id(mode), ctypes.byref(p), None, None) != 0:
+        raise ValueError(f"unknown mode {mode!r}")
+    fields = {f[0] for f in LlamaKvcompParams._fields_} - {"mode"}
+    for k, v in knobs.items():
+        if k not in fields:
+            raise ValueError(f"unknown knob {k!r}; known: {', '.join(sorted(fields))}")
+        setattr(p, k, v)
+    if knobs:
+        # the preset no longer holds as is
+        p.mode = c.llama_kvcomp_mode_from_name(b"custom")
+    rc = c.llama_kvcomp_configure(_ctx(llm), ctypes.byref(p))
+    if rc != 0:
+        raise RuntimeError(f"llama_kvcomp_configure failed ({rc}); the reason is in the log")
+
+
+def get_config(llm: llama_cpp.Llama) -> Config:
+    p = LlamaKvcompParams()
+    c = lib()
+    tk, tv = ctypes.c_int(), ctypes.c_int()
+    if c.llama_kvcomp_get_config(_ctx(llm), ctypes.byref(p)) != 0 or \
+            c.llama_kvcomp_get_cache_types(_ctx(llm), ctypes.byref(tk), ctypes.byref(tv)) != 0:
+        raise RuntimeError("the context has no KV cache to read")
+    return Config(mode=mode_name(p.mode), type_k=type_name(tk.value), type_v=type_name(tv.value), window=p.window,
+                  sinks=p.sinks, merge_interval=p.merge_interval, pin_threshold=round(p.pin_threshold, 6),
+                  pin_budget=round(p.pin_budget, 6), tracker=bool(p.tracker))
+
+
+def set_mode(llm: llama_cpp.Llama, mode: ModeName) -> None:
+    """Switches the mode at run time: new tokens follow it (logged by the library)."""
+    rc = lib().llama_kvcomp_set_mode(_ctx(llm), mode_id(mode))
+    if rc != 0:
+        raise RuntimeError(f"llama_kvcomp_set_mode failed ({rc}); the reason is in the log")
+
+
+def stats(llm: llama_cpp.Llama) -> dict[str, float]:
+    """The residual buffer's counters (empty without a buffer)."""
+    st = LlamaKvcompStats()
+    if lib().llama_kvcomp_get_stats(_ctx(llm), ctypes.byref(st)) != 0:
+        return {}
+    return {f[0]: getattr(st, f[0]) for f in LlamaKvcompStats._fields_}
+
+
+def snapshot(llm: llama_cpp.Llama, refresh: bool = True) -> dict[str, Any]:
+    """The monitor's snapshot (docs/monitoring.md) as the JSON llama-server serves at /kvcomp."""
+    c = lib()
+    if refresh and c.llama_kvcomp_monitor_refresh(_ctx(llm)) != 0:
+        raise RuntimeError("the context has no kvcomp monitor (open it with open_llama)")
+    n = c.llama_kvcomp_snapshot_text(_ctx(llm), LLAMA_KVCOMP_FORMAT_JSON, -1, None, 0)
+    if n < 0:
+        raise RuntimeError("the context has no kvcomp monitor")
+    buf = ctypes.create_string_buffer(n + 1)
+    c.llama_kvcomp_snapshot_text(_ctx(llm), LLAMA_KVCOMP_FORMAT_JSON, -1, buf, n + 1)
+    result: dict[str, Any] = json.loads(buf.value.decode())
+    return result

@@ -1,0 +1,98 @@
+"""llama-cpp-python on the kvcomp build (python/README.md): the kvc types through
+llama_cpp.Llama, a mode applied and read back through our C API, run-time switches and the
+monitor's snapshot. References: the same model with an f16 cache, and the C++ mode table."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ggml_kvcomp import llm
+from ggml_kvcomp.capi import mode_preset
+
+PROMPT = "The history of the lighthouse begins with fires lit on hills to guide ships at night, and"
+
+
+def _logits(model: Path, type_k: str, type_v: str) -> np.ndarray[Any, np.dtype[np.float32]]:
+    llama_cpp = llm.import_llama_cpp()
+    m = llama_cpp.Llama(str(model), n_ctx=512, n_threads=2, n_threads_batch=2, flash_attn=True, logits_all=True,
+                        type_k=llm.type_id(type_k), type_v=llm.type_id(type_v), verbose=False)
+    toks = m.tokenize(PROMPT.encode())
+    m.eval(toks)
+    out = np.array(m.scores[: len(toks)], dtype=np.float32)
+    m.close()
+    return out
+
+
+def _kl(ref: np.ndarray[Any, np.dtype[np.float32]], x: np.ndarray[Any, np.dtype[np.float32]]) -> float:
+    def log_softmax(a: np.ndarray[Any, np.dtype[np.float32]]) -> np.ndarray[Any, np.dtype[np.float64]]:
+        a64 = a.astype(np.float64)
+        a64 -= a64.max(axis=-1, keepdims=True)
+        return a64 - np.log(np.exp(a64).sum(axis=-1, keepdims=True))  # type: ignore[no-any-return]
+
+    lp, lq = log_softmax(ref), log_softmax(x)
+    return float((np.exp(lp) * (lp - lq)).sum(axis=-1).mean())
+
+
+def test_type_ids_are_the_librarys() -> None:
+    assert llm.type_name(llm.type_id("kvc4")) == "kvc4"
+    assert llm.type_id("f16") == 1 and llm.type_id("q8_0") == 8
+    with pytest.raises(ValueError, match="unknown tensor type"):
+        llm.type_id("kvc5")
+
+
+def test_llama_with_kvc_types_tracks_f16(model: Path) -> None:
+    # the kvc caches through llama_cpp.Llama: logits close to an f16 cache, ordered by bits
+    ref = _logits(model, "f16", "f16")
+    kl8 = _kl(ref, _logits(model, "kvc8", "kvc8"))
+    kl4 = _kl(ref, _logits(model, "kvc4", "kvc4"))
+    kl2 = _kl(ref, _logits(model, "kvc2", "kvc2"))
+    assert kl8 < kl4 < kl2
+    assert kl8 < 0.01
+
+
+@pytest.mark.parametrize("mode", ["low-latency", "balanced", "high-precision"])
+def test_open_llama_applies_the_preset(model: Path, mode: str) -> None:
+    preset = mode_preset(mode)  # type: ignore[arg-type]
+    m = llm.open_llama(model, mode, n_ctx=1024)  # type: ignore[arg-type]
+    cfg = llm.get_config(m)
+    assert (cfg.mode, cfg.type_k, cfg.type_v) == (mode, preset.type_k, preset.type_v)
+    assert (cfg.window, cfg.sinks, cfg.merge_interval, cfg.tracker) == \
+        (preset.window, preset.sinks, preset.merge_interval, preset.tracker)
+    out = m(PROMPT, max_tokens=16, temperature=0.0)
+    assert 0 < out["usage"]["completion_tokens"] <= 16 and out["choices"][0]["text"]  # type: ignore[index]
+    m.close()
+
+
+def test_knob_overrides_and_bad_knobs(model: Path) -> None:
+    m = llm.open_llama(model, "balanced", n_ctx=1024, window=64, sinks=8)
+    cfg = llm.get_config(m)
+    assert (cfg.mode, cfg.window, cfg.sinks) == ("custom", 64, 8)
+    with pytest.raises(ValueError, match="unknown knob 'windw'"):
+        llm.configure(m, "balanced", windw=3)
+    with pytest.raises(RuntimeError, match="llama_kvcomp_configure failed"):
+        llm.configure(m, "balanced", window=-1)
+    m.close()
+
+
+def test_mode_switch_and_snapshot(model: Path) -> None:
+    m = llm.open_llama(model, "balanced", n_ctx=1024)
+    first = m(PROMPT, max_tokens=24, temperature=0.0)
+    assert 0 < first["usage"]["completion_tokens"] <= 24  # type: ignore[index]
+    snap = llm.snapshot(m)
+    assert snap["mode"] == "balanced" and len(snap["layers"]) == 30
+    heads = [h for layer in snap["layers"] for h in layer["heads"]]
+    assert len(heads) == 90 and all(0.0 < h["k_rmse_rel"] < 0.2 for h in heads)
+    assert snap["buffer"]["used"] == llm.stats(m)["n_used"]
+
+    llm.set_mode(m, "high-precision")
+    assert llm.get_config(m).window == mode_preset("high-precision").window
+    again = m(" After that,", max_tokens=8, temperature=0.0)
+    assert 0 < again["usage"]["completion_tokens"] <= 8  # type: ignore[index]
+    assert llm.snapshot(m)["mode"] == "high-precision"
+    assert math.isfinite(llm.snapshot(m)["buffer"]["fill"])
+    m.close()
