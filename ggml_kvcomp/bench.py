@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .kvtypes import KvConfig
+from .kvtypes import BITS_PER_ELEMENT, KvConfig
 from .paths import binary
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Where a llama-bench process's memory went, from its log (MiB) and the kernel (peak RSS).
+    The KV and compute figures are those of the context for the deepest depth."""
+
+    weights_mib: float
+    kv_main_mib: float
+    kv_buffer_mib: float
+    compute_mib: float
+    peak_rss_mib: float
 
 
 @dataclass(frozen=True)
@@ -19,21 +34,56 @@ class BenchResult:
     n_gen: int
     tokens_per_s: float
     stddev: float
+    bpe: float  # bits per KV element: main cache + residual buffer at the deepest depth's context
+    weights_mib: float
+    kv_main_mib: float
+    kv_buffer_mib: float
+    compute_mib: float
+    peak_rss_mib: float
+
+
+def _sum(pattern: str, text: str) -> float:
+    return sum(float(m) for m in re.findall(pattern, text))
+
+
+def parse_memory(log: str, peak_rss_mib: float) -> Memory:
+    """llama-bench -v creates one context per depth; the last one logged is the deepest."""
+    weights = _sum(r"load_tensors:\s+\S+ model buffer size =\s+([\d.]+) MiB", log)
+    last = log.rsplit("llama_context: n_ctx ", 1)[-1]
+    return Memory(
+        weights_mib=weights,
+        kv_main_mib=_sum(r"llama_kv_cache: size =\s+([\d.]+) MiB", last),
+        kv_buffer_mib=_sum(r"kvcomp: KV memory: .*?residual buffer ([\d.]+) MiB", last),
+        compute_mib=_sum(r"sched_reserve:\s+\S+ compute buffer size =\s+([\d.]+) MiB", last),
+        peak_rss_mib=peak_rss_mib,
+    )
 
 
 def run_bench(cfg: KvConfig, model: Path, depths: Sequence[int], n_gen: int, threads: int,
               reps: int) -> list[BenchResult]:
     args = [
         str(binary("llama-bench")), "-m", str(model), "-fa", "1", "-p", "0", "-n", str(n_gen),
-        "-d", ",".join(str(d) for d in depths), "-t", str(threads), "-r", str(reps),
-        *cfg.tool_args(), "-o", "json",
+        "-d", ",".join(str(d) for d in sorted(depths)), "-t", str(threads), "-r", str(reps),
+        *cfg.tool_args(), "-o", "json", "-v",
     ]
-    proc = subprocess.run(args, capture_output=True, text=True)
+    with tempfile.TemporaryFile("w+") as fout, tempfile.TemporaryFile("w+") as ferr:
+        proc = subprocess.Popen(args, stdout=fout, stderr=ferr, text=True)
+        # reaped here rather than by Popen, for this child's own peak RSS (KiB on Linux)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        fout.seek(0)
+        ferr.seek(0)
+        out, err = fout.read(), ferr.read()
     if proc.returncode != 0:
-        raise RuntimeError(f"llama-bench failed for {cfg.label}:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"llama-bench failed for {cfg.label}:\n{err[-2000:]}")
+    rss = usage.ru_maxrss / 1024.0
+    mem = parse_memory(err, rss)
+    main_bpe = (BITS_PER_ELEMENT[cfg.type_k] + BITS_PER_ELEMENT[cfg.type_v]) / 2
+    bpe = main_bpe * (1 + mem.kv_buffer_mib / mem.kv_main_mib) if mem.kv_main_mib > 0 else main_bpe
     return [
-        BenchResult(cfg.label, int(r["n_depth"]), int(r["n_gen"]), float(r["avg_ts"]), float(r["stddev_ts"]))
-        for r in json.loads(proc.stdout)
+        BenchResult(cfg.label, int(r["n_depth"]), int(r["n_gen"]), float(r["avg_ts"]), float(r["stddev_ts"]),
+                    bpe, mem.weights_mib, mem.kv_main_mib, mem.kv_buffer_mib, mem.compute_mib, mem.peak_rss_mib)
+        for r in json.loads(out)
     ]
 
 
@@ -42,10 +92,14 @@ def bench_table(results: Sequence[BenchResult]) -> str:
     labels = list(dict.fromkeys(r.label for r in results))
     by_key = {(r.label, r.depth): r for r in results}
     rows = [
-        "| K/V | " + " | ".join(f"tg t/s @ d={d}" for d in depths) + " |",
-        "|---|" + "---:|" * len(depths),
+        "| K/V | " + " | ".join(f"tg t/s @ d={d}" for d in depths)
+        + f" | bpe | weights MiB | KV main MiB | KV buffer MiB | compute MiB | peak RSS MiB (d={depths[-1]}) |",
+        "|---|" + "---:|" * (len(depths) + 6),
     ]
     for label in labels:
         cells = [f"{by_key[(label, d)].tokens_per_s:.1f} ± {by_key[(label, d)].stddev:.1f}" for d in depths]
+        m = by_key[(label, depths[-1])]
+        cells += [f"{m.bpe:.2f}", f"{m.weights_mib:.1f}", f"{m.kv_main_mib:.2f}", f"{m.kv_buffer_mib:.2f}",
+                  f"{m.compute_mib:.1f}", f"{m.peak_rss_mib:.0f}"]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import bench, corpus, models, perplexity, report, steps
+from . import bench, corpus, export, models, needle, perplexity, plots, regress, report, steps
 from .kvtypes import DEFAULT_CONFIGS, KvConfig
 
 
@@ -66,21 +66,70 @@ def _section_suffix(configs: Sequence[KvConfig]) -> str:
     return "-buffer" if any(c.buffered for c in configs) else ""
 
 
-def cmd_kld(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    settings = perplexity.RunSettings(
-        model=models.fetch_model(args.model), corpus=corpus.corpus_file(),
-        ctx=args.ctx, chunks=args.chunks, threads=args.threads,
-    )
+# named context sizes of `kvcomp ppl/kld --ctx`
+CONTEXTS = {"short": 512, "medium": 2048, "long": 8192}
+
+
+def _contexts(spec: str) -> list[int]:
+    out = []
+    for part in spec.split(","):
+        part = part.strip()
+        value = CONTEXTS.get(part) or (int(part) if part.isdigit() else 0)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"a context is short, medium, long or a positive number, got {part!r}")
+        out.append(value)
+    return out
+
+
+def _progress(command: str, i: int, n: int, what: str) -> None:
+    width = 20
+    done = width * i // n
+    print(f"kvcomp {command}: [{'#' * done}{'.' * (width - done)}] {i + 1}/{n} {what} ...", file=sys.stderr,
+          flush=True)
+
+
+def _run_kld_all(args: argparse.Namespace, argv: Sequence[str], ppl_only: bool) -> int:
+    model = models.MODELS[args.model]
+    contexts = [c for c in args.ctx if c <= model.ctx_train]
+    for c in args.ctx:
+        if c > model.ctx_train:
+            print(f"kvcomp: skipping ctx {c}: {args.model} was trained for {model.ctx_train}", file=sys.stderr)
     configs = _configs(args.configs)
-    results = []
-    for cfg in configs:
-        print(f"kvcomp kld: {cfg.label} ...", file=sys.stderr, flush=True)
-        results.append(perplexity.run_kld(cfg, settings))
-    heading = f"KLD vs f16 KV, {args.model}, ctx {args.ctx}, {args.chunks} chunks, {args.threads} threads"
-    section = f"kld-{args.model}-ctx{args.ctx}" + _section_suffix(configs)
-    _emit(args, argv, report.kld_table(results), [r.as_dict() for r in results],
-          section, heading, f"corpus `{settings.corpus.name}`, ")
+    rows: list[dict[str, Any]] = []
+    tables = []
+    n, i = len(contexts) * len(configs), 0
+    for ctx in contexts:
+        settings = perplexity.RunSettings(
+            model=models.fetch_model(args.model), corpus=corpus.corpus_file(),
+            ctx=ctx, chunks=args.chunks, threads=args.threads,
+        )
+        results = []
+        for cfg in configs:
+            _progress(args.command, i, n, f"ctx {ctx} {cfg.label}")
+            i += 1
+            results.append(perplexity.run_kld(cfg, settings))
+        rows += [{"ctx": ctx, **r.as_dict()} for r in results]
+        table = report.ppl_table(results) if ppl_only else report.kld_table(results)
+        what = "Perplexity with each KV cache" if ppl_only else "KLD vs f16 KV"
+        heading = f"{what}, {args.model}, ctx {ctx}, {args.chunks} chunks, {args.threads} threads"
+        section = f"{args.command}-{args.model}-ctx{ctx}" + _section_suffix(configs)
+        if args.results:
+            body = f"### {heading}\n\nCommand: `{_command_line(argv)}` (corpus `{settings.corpus.name}`, " \
+                   f"{_machine()}).\n\n{table}\n"
+            report.replace_section(Path(args.results), section, body)
+        tables.append(f"### {heading}\n\n{table}")
+    print("\n\n".join(tables))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
+
+
+def cmd_kld(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    return _run_kld_all(args, argv, ppl_only=False)
+
+
+def cmd_ppl(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    return _run_kld_all(args, argv, ppl_only=True)
 
 
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -123,6 +172,70 @@ def cmd_profile(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_regress(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    path = Path(args.baseline)
+    if args.write:
+        labels = [c.label for c in _configs(args.configs)]
+        results = regress.measure(args.model, args.ctx, args.chunks, labels, args.threads)
+        regress.write_baseline(path, args.model, args.ctx, args.chunks, results, args.tolerance)
+        print(f"kvcomp regress: wrote {len(labels)} limits for {args.model} ctx {args.ctx} to {path}")
+        return 0
+    checks = regress.check(regress.load(path), args.threads)
+    print(regress.table(checks))
+    bad = [c for c in checks if not c.ok]
+    for c in bad:
+        print(f"kvcomp regress: REGRESSED: {c.model} ctx {c.ctx} {c.config}: {c.metric} {c.value:.6f} > limit "
+              f"{c.limit:.6f}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if (args.url is None) == (args.snapshot is None):
+        raise ValueError("give one source: --url of a llama-server with --metrics, or --snapshot FILE.json")
+    if args.url:
+        text = export.fetch(args.url, "prometheus" if args.format == "prometheus" else "json")
+        out = text if args.format == "prometheus" else export.convert(text, args.format)
+    else:
+        out = export.convert(Path(args.snapshot).read_text(), args.format)
+    if args.out:
+        Path(args.out).write_text(out)
+    else:
+        sys.stdout.write(out)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    def path(p: str | None) -> Path | None:
+        return Path(p) if p else None
+
+    out = plots.write_report(Path(args.out), path(args.kld), path(args.bench), path(args.snapshot))
+    print(f"kvcomp report: {out}")
+    return 0
+
+
+def _fractions(spec: str) -> list[float]:
+    try:
+        values = [float(x) for x in spec.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected fractions like 0.1,0.5,0.9, got {spec!r}") from e
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"depths are fractions of the context in [0, 1], got {spec!r}")
+    return values
+
+
+def cmd_needle(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    model = models.fetch_model(args.model)
+    filler = corpus.corpus_file().read_text(encoding="utf-8")
+    results = []
+    for cfg in _configs(args.configs):
+        print(f"kvcomp needle: {cfg.label} ...", file=sys.stderr, flush=True)
+        results.extend(needle.run_needle(cfg, model, filler, args.ctx, args.depths, args.threads))
+    heading = f"Needle retrieval, {args.model}, ctx {args.ctx}, greedy, exact match"
+    _emit(args, argv, needle.needle_table(results), [asdict(r) for r in results],
+          f"needle-{args.model}-ctx{args.ctx}", heading, "")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvcomp", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -138,11 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", help="also write the results as JSON to this file")
         sp.add_argument("--results", help="rewrite this run's section of a markdown file (docs/results.md)")
 
-    kld = sub.add_parser("kld", help="PPL ratio, KLD and same-top-p against an f16-KV base run")
-    common(kld)
-    kld.add_argument("--ctx", type=_positive, default=512)
-    kld.add_argument("--chunks", type=_positive, default=16)
-    kld.set_defaults(func=cmd_kld)
+    for name, func, text in (("kld", cmd_kld, "PPL ratio, KLD and same-top-p against an f16-KV base run"),
+                             ("ppl", cmd_ppl, "perplexity and its ratio to the f16-KV run, per configuration")):
+        sp = sub.add_parser(name, help=text)
+        common(sp)
+        sp.add_argument("--ctx", type=_contexts, default=[512],
+                        help="context sizes: short (512), medium (2048), long (8192) or numbers, comma-separated; "
+                             "sizes beyond the model's training context are skipped")
+        sp.add_argument("--chunks", type=_positive, default=16)
+        sp.set_defaults(func=func)
 
     bn = sub.add_parser("bench", help="llama-bench decode speed at several depths")
     common(bn)
@@ -156,6 +273,37 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--depth", type=_positive, default=4096)
     st.add_argument("--n-gen", type=_positive, default=64)
     st.set_defaults(func=cmd_steps)
+
+    nd = sub.add_parser("needle", help="a fact hidden at several depths of filler text, exact-match retrieval")
+    common(nd)
+    nd.add_argument("--ctx", type=_positive, default=2048)
+    nd.add_argument("--depths", type=_fractions, default=[0.1, 0.5, 0.9])
+    nd.set_defaults(func=cmd_needle)
+
+    rg = sub.add_parser("regress", help="compare KLD and PPL ratio with a committed baseline; exit 1 on regression")
+    rg.add_argument("--baseline", default="regress/baseline.json")
+    rg.add_argument("--threads", type=_positive, default=2)
+    rg.add_argument("--write", action="store_true", help="measure and (re)write this model and context's limits")
+    rg.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS))
+    rg.add_argument("--configs", help="with --write: the configurations to gate (as for kld)")
+    rg.add_argument("--ctx", type=_positive, default=512)
+    rg.add_argument("--chunks", type=_positive, default=4)
+    rg.add_argument("--tolerance", type=float, default=regress.DEFAULT_TOLERANCE)
+    rg.set_defaults(func=cmd_regress)
+
+    ex = sub.add_parser("export", help="a monitor snapshot to JSON, CSV or Prometheus text")
+    ex.add_argument("--url", help="a llama-server started with --metrics (reads its /kvcomp)")
+    ex.add_argument("--snapshot", help="a JSON snapshot saved earlier")
+    ex.add_argument("--format", choices=export.FORMATS, default="json")
+    ex.add_argument("--out", help="file to write (default: standard output)")
+    ex.set_defaults(func=cmd_export)
+
+    rp = sub.add_parser("report", help="markdown report with PNG plots from kld/bench JSON and a monitor snapshot")
+    rp.add_argument("--kld", help="JSON of `kvcomp kld --json` (KLD vs bpe frontier)")
+    rp.add_argument("--bench", help="JSON of `kvcomp bench --json` (decode t/s vs depth)")
+    rp.add_argument("--snapshot", help="a monitor snapshot (per-layer K RMSE heatmap)")
+    rp.add_argument("--out", required=True, help="folder for report.md and the PNGs")
+    rp.set_defaults(func=cmd_report)
 
     pr = sub.add_parser("profile", help="calibration profile (f16-KV perplexity) for llama-server --kv-comp-baseline")
     pr.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS))

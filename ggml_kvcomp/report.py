@@ -25,6 +25,12 @@ def kld_table(results: Sequence[KldResult]) -> str:
     return "\n".join(rows)
 
 
+def ppl_table(results: Sequence[KldResult]) -> str:
+    rows = ["| K/V | bpe total | PPL | PPL (f16 KV) | PPL ratio |", "|---|---:|---:|---:|---:|"]
+    rows += [f"| {r.label} | {r.bpe:.2f} | {r.ppl:.4f} | {r.ppl_base:.4f} | {r.ppl_ratio:.5f} |" for r in results]
+    return "\n".join(rows)
+
+
 def replace_section(path: Path, name: str, body: str) -> None:
     """Replaces the text between <!-- name:begin --> and <!-- name:end -->, appending if absent."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
