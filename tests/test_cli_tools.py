@@ -74,3 +74,18 @@ def test_export_from_a_server(bins: Path, model: Path, tmp_path: Path) -> None:
     assert cli.main(["export", "--snapshot", str(saved), "--format", "csv", "--out", str(again)]) == 0
     assert again.read_text() == out.read_text()
     assert cli.main(["export", "--snapshot", str(saved), "--format", "prometheus"]) == 1
+
+
+def test_kld_command_numbers_are_ordered(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "kld.json"
+    assert cli.main(["kld", "--ctx", "short", "--chunks", "2", "--configs", "f16,kvc8,kvc4", "--json", str(out)]) == 0
+    rows = {r["label"]: r for r in json.loads(out.read_text())}
+    assert all(r["ctx"] == 512 for r in rows.values())
+    assert abs(rows["f16"]["kld_mean"]) < 1e-4 < rows["kvc8"]["kld_mean"] < rows["kvc4"]["kld_mean"]
+    assert rows["f16"]["ppl_ratio"] == pytest.approx(1.0, abs=1e-3) < rows["kvc4"]["ppl_ratio"]
+    printed = capsys.readouterr()
+    assert "| kvc4 |" in printed.out and "[####" in printed.err  # the table, and the progress on stderr
+    # ppl: same runs, the perplexity view; a context beyond the model's training is skipped
+    assert cli.main(["ppl", "--ctx", "512,16384", "--chunks", "2", "--configs", "f16,kvc4"]) == 0
+    printed = capsys.readouterr()
+    assert "| PPL (f16 KV) |" in printed.out and "skipping ctx 16384" in printed.err

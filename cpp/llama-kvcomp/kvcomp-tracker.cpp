@@ -107,11 +107,19 @@ ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor *
     // the same mean in the offset row). One graph shape for every ubatch and few nodes: the
     // graph's node budget is upstream's. The view hangs on the copy, so it is read after it.
     ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, KVCOMP_ROW_C + 1, tap[ib]->nb[1], 0);
+    ggml_tensor * centered = ggml_sub(ctx0, cur, ggml_out_prod(ctx0, all, calibrate));
+    if (!equalize) {
+        // s = 1: no node for it (each node costs a thread barrier per decode step)
+        return centered;
+    }
     ggml_tensor * inv_s = ggml_view_1d(ctx0, tap[ib], ne0, KVCOMP_ROW_INV_S * tap[ib]->nb[1]);
-    return ggml_mul(ctx0, ggml_sub(ctx0, cur, ggml_out_prod(ctx0, all, calibrate)), inv_s);
+    return ggml_mul(ctx0, centered, inv_s);
 }
 
 ggml_tensor * llama_kvcomp_tracker::scale_q(ggml_context * ctx0, ggml_tensor * q, int32_t ib) const {
+    if (!equalize) {
+        return q;
+    }
     const layer_state & l = layers[ib];
     // q: [head size, n_head, n_tokens]; query head h reads KV head h / (n_head / n_head_kv)
     const int64_t d = q->ne[0], n_head = q->ne[1], n_tok = q->ne[2];
@@ -132,9 +140,10 @@ ggml_tensor * llama_kvcomp_tracker::unstore(ggml_context * ctx0, ggml_tensor * r
                 l.n_embd_head_k * sizeof(float), l.n_embd_k * sizeof(float), r * tap[ib]->nb[1]));
     };
     if (back) {
-        return ggml_mul(ctx0, ggml_sub(ctx0, rows, row(KVCOMP_ROW_C)), row(KVCOMP_ROW_INV_S));
+        ggml_tensor * centered = ggml_sub(ctx0, rows, row(KVCOMP_ROW_C));
+        return equalize ? ggml_mul(ctx0, centered, row(KVCOMP_ROW_INV_S)) : centered;
     }
-    return ggml_add(ctx0, ggml_mul(ctx0, rows, row(KVCOMP_ROW_S)), row(KVCOMP_ROW_C));
+    return ggml_add(ctx0, equalize ? ggml_mul(ctx0, rows, row(KVCOMP_ROW_S)) : rows, row(KVCOMP_ROW_C));
 }
 
 void llama_kvcomp_tracker::fold(std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const {
@@ -492,6 +501,11 @@ std::vector<llama_kvcomp_tracker::affine> llama_kvcomp_tracker::state_read(llama
             for (uint32_t i = 0; i < ne; ++i) {
                 if (!std::isfinite(fc[ib][i]) || !(fs[ib][i] > 0.0f) || !std::isfinite(fs[ib][i])) {
                     throw std::runtime_error("tracker section is corrupted (offset or scale out of range)");
+                }
+                // this context's graphs leave the scales out: its own can only be 1
+                if (!equalize && replace && fs[ib][i] != 1.0f) {
+                    throw std::runtime_error("the state has K channel scales; this context does not scale K channels "
+                                             "(upstream rotates K here)");
                 }
             }
         }
