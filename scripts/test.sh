@@ -10,7 +10,7 @@ if [ ! -x "$venv/bin/pytest" ] || [ pyproject.toml -nt "$venv/bin/pytest" ]; the
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet --upgrade pip
     # llama-cpp-python without its own native build: it loads ours (python/README.md)
-    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$venv/bin/pip" install --quiet -e '.[test,llama]'
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$venv/bin/pip" install --quiet -e '.[test]'
     touch "$venv/bin/pytest"
 fi
 

@@ -18,6 +18,8 @@
 static constexpr size_t KVCOMP_EVENTS_KEPT = 64;
 // weight of a new value in the running mean of a head's buffer norm
 static constexpr float  KVCOMP_L2_MEAN_ALPHA = 0.1f;
+// refreshes a head's running mean sees before a jump is judged against it
+static constexpr int32_t KVCOMP_L2_WARMUP = 4;
 
 std::shared_ptr<llama_kvcomp_monitor> llama_kvcomp_monitor::get(llama_context * ctx, bool create, bool fresh) {
     static std::mutex registry_mtx;
@@ -103,17 +105,38 @@ void llama_kvcomp_monitor::warn(llama_kvcomp_snapshot & snap, const std::vector<
     }
     fill_warned = full;
 
+    // A jump is a change of the rows' magnitude, not of their number: the norm per held row
+    // is compared with its running mean, once that mean has seen a few refreshes.
     if (l2_mean.size() != heads.size()) {
         l2_mean.assign(heads.size(), 0.0f);
+        n_l2_seen = 0;
     }
+    if (snap.n_used == 0) {
+        return;
+    }
+    const float per_row = 1.0f / std::sqrt((float) snap.n_used);
+    int32_t n_jumped = 0;
+    size_t worst = 0;
+    float worst_ratio = 0.0f;
     for (size_t i = 0; i < heads.size(); ++i) {
-        const float x = heads[i].buf_l2_k;
-        if (params.l2_jump > 0.0f && l2_mean[i] > 0.0f && x > params.l2_jump * l2_mean[i]) {
-            LLAMA_LOG_WARN("kvcomp: monitor: layer %d head %d: buffer K norm %.3f jumped past %.1f x its mean %.3f\n",
-                    heads[i].il, heads[i].head, x, params.l2_jump, l2_mean[i]);
-            ++snap.n_warn_l2;
+        const float x = heads[i].buf_l2_k * per_row;
+        const float ratio = l2_mean[i] > 0.0f ? x / l2_mean[i] : 0.0f;
+        if (params.l2_jump > 0.0f && n_l2_seen >= KVCOMP_L2_WARMUP && ratio > params.l2_jump) {
+            ++n_jumped;
+            if (ratio > worst_ratio) {
+                worst_ratio = ratio;
+                worst = i;
+            }
         }
         l2_mean[i] = l2_mean[i] > 0.0f ? l2_mean[i] + KVCOMP_L2_MEAN_ALPHA * (x - l2_mean[i]) : x;
+    }
+    ++n_l2_seen;
+    if (n_jumped > 0) {
+        // one line per refresh, however many heads jumped
+        LLAMA_LOG_WARN("kvcomp: monitor: buffer K norm per row jumped past %.1f x its mean in %d layer/heads "
+                "(largest: layer %d head %d, %.1f x)\n", params.l2_jump, n_jumped, heads[worst].il, heads[worst].head,
+                worst_ratio);
+        snap.n_warn_l2 += n_jumped;
     }
 }
 

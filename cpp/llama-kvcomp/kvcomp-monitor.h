@@ -62,7 +62,8 @@ private:
     // decoding thread only
     int64_t n_ubatches = 0;
     bool    fill_warned = false;
-    std::vector<float> l2_mean; // running mean of each head's K buffer norm
+    std::vector<float> l2_mean; // running mean of each head's K buffer norm per held row
+    int32_t n_l2_seen = 0;
     std::map<llama_seq_id, seq_state> seqs;
     std::vector<float> logits_tmp;
 
