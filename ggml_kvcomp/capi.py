@@ -67,9 +67,10 @@ LLAMA_KVCOMP_FORMAT_PROMETHEUS = 1
 
 @dataclass(frozen=True)
 class ModePreset:
-    """One row of the C++ mode table."""
+    """One row of the C++ mode table, or what a context runs with (mode "custom" when its
+    knobs were set one by one)."""
 
-    mode: ModeName
+    mode: str
     type_k: str
     type_v: str
     window: int

@@ -11,7 +11,6 @@ import ctypes
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ from .capi import (
     LlamaKvcompParams,
     LlamaKvcompStats,
     ModeName,
+    ModePreset,
     lib,
     mode_id,
     mode_name,
@@ -55,19 +55,8 @@ def import_llama_cpp() -> Any:
     return llama_cpp
 
 
-@dataclass(frozen=True)
-class Config:
-    """What a context runs with, read back through the C API."""
-
-    mode: str
-    type_k: str
-    type_v: str
-    window: int
-    sinks: int
-    merge_interval: int
-    pin_threshold: float
-    pin_budget: float
-    tracker: bool
+# what a context runs with, read back through the C API
+Config = ModePreset
 
 
 def _ctx(llm: llama_cpp.Llama) -> int:
