@@ -175,15 +175,12 @@ def lib() -> ctypes.CDLL:
 
 def mode_preset(mode: ModeName) -> ModePreset:
     """The preset of a mode, read from the built library's table."""
-    if mode not in MODE_NAMES:
-        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODE_NAMES)}")
-    base, llama = _libs()
-    m = llama.llama_kvcomp_mode_from_name(mode.encode())
+    m = mode_id(mode)
     p = LlamaKvcompParams()
     tk, tv = ctypes.c_int(), ctypes.c_int()
-    if m < 0 or llama.llama_kvcomp_mode_preset(m, ctypes.byref(p), ctypes.byref(tk), ctypes.byref(tv)) != 0:
+    if m < 0 or lib().llama_kvcomp_mode_preset(m, ctypes.byref(p), ctypes.byref(tk), ctypes.byref(tv)) != 0:
         raise RuntimeError(f"the built library does not know mode {mode!r}")
     return ModePreset(
-        mode=mode, type_k=base.ggml_type_name(tk.value).decode(), type_v=base.ggml_type_name(tv.value).decode(),
+        mode=mode, type_k=type_name(tk.value), type_v=type_name(tv.value),
         window=p.window, sinks=p.sinks, merge_interval=p.merge_interval, pin_threshold=round(p.pin_threshold, 6),
         pin_budget=round(p.pin_budget, 6), tracker=bool(p.tracker))

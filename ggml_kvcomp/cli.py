@@ -54,6 +54,12 @@ def _emit(args: argparse.Namespace, argv: Sequence[str], table: str, rows: list[
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    _write_section(args, argv, table, section, heading, context)
+
+
+def _write_section(args: argparse.Namespace, argv: Sequence[str], table: str, section: str, heading: str,
+                   context: str) -> None:
+    """Rewrites this run's section of the markdown file given with --results, if any."""
     if args.results:
         body = f"### {heading}\n\nCommand: `{_command_line(argv)}` ({context}{_machine()}).\n\n{table}\n"
         report.replace_section(Path(args.results), section, body)
@@ -113,10 +119,7 @@ def _run_kld_all(args: argparse.Namespace, argv: Sequence[str], ppl_only: bool) 
         what = "Perplexity with each KV cache" if ppl_only else "KLD vs f16 KV"
         heading = f"{what}, {args.model}, ctx {ctx}, {args.chunks} chunks, {args.threads} threads"
         section = f"{args.command}-{args.model}-ctx{ctx}" + _section_suffix(configs)
-        if args.results:
-            body = f"### {heading}\n\nCommand: `{_command_line(argv)}` (corpus `{settings.corpus.name}`, " \
-                   f"{_machine()}).\n\n{table}\n"
-            report.replace_section(Path(args.results), section, body)
+        _write_section(args, argv, table, section, heading, f"corpus `{settings.corpus.name}`, ")
         tables.append(f"### {heading}\n\n{table}")
     print("\n\n".join(tables))
     if args.json:

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     import llama_cpp
 
 __all__ = [
-    "Config", "configure", "get_config", "import_llama_cpp", "open_llama", "set_mode", "snapshot", "snapshot_text",
-    "stats", "type_id", "type_name",
+    "Config", "configure", "get_config", "import_llama_cpp", "new_llama", "open_llama", "set_mode", "snapshot",
+    "snapshot_text", "stats", "type_id", "type_name",
 ]
 
 
@@ -66,16 +66,22 @@ def _ctx(llm: llama_cpp.Llama) -> int:
     return int(ctypes.cast(ctx, ctypes.c_void_p).value or 0)
 
 
+def new_llama(model: str | Path, type_k: str, type_v: str, *, n_ctx: int = 2048, n_threads: int = 2) -> llama_cpp.Llama:
+    """A llama_cpp.Llama with these K/V cache types and flash attention (which quantized V
+    and the residual buffer need), nothing configured yet."""
+    lc = import_llama_cpp()
+    llm: llama_cpp.Llama = lc.Llama(str(model), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                                    flash_attn=True, type_k=type_id(type_k), type_v=type_id(type_v), verbose=False)
+    return llm
+
+
 def open_llama(model: str | Path, mode: ModeName = "balanced", *, n_ctx: int = 2048, n_threads: int = 2,
                **knobs: float) -> llama_cpp.Llama:
     """A llama_cpp.Llama whose KV cache runs `mode`: its K/V types, flash attention, and its
     knobs, of which `knobs` (window, sinks, merge_interval, merge_at, pin_threshold,
     pin_budget, tracker) override single ones."""
-    lc = import_llama_cpp()
     preset = mode_preset(mode)
-    llm: llama_cpp.Llama = lc.Llama(str(model), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                                    flash_attn=True, type_k=type_id(preset.type_k), type_v=type_id(preset.type_v),
-                                    verbose=False)
+    llm = new_llama(model, preset.type_k, preset.type_v, n_ctx=n_ctx, n_threads=n_threads)
     configure(llm, mode, **knobs)
     return llm
 

@@ -43,9 +43,7 @@ def prompt(filler: str, depth: float, n_chars: int) -> str:
 
 
 def _open(cfg: KvConfig, model: Path, n_ctx: int, threads: int) -> Any:
-    lc = llm.import_llama_cpp()
-    m = lc.Llama(str(model), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, flash_attn=True,
-                 type_k=llm.type_id(cfg.type_k), type_v=llm.type_id(cfg.type_v), verbose=False)
+    m = llm.new_llama(model, cfg.type_k, cfg.type_v, n_ctx=n_ctx, n_threads=threads)
     knobs = {KNOBS[letter][0]: value for letter, _, value in cfg._knobs() if KNOBS[letter][0] != "monitor"}
     if cfg.mode is not None or knobs:
         llm.configure(m, cfg.mode or "off", **knobs)

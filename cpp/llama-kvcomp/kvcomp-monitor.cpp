@@ -39,8 +39,6 @@ std::shared_ptr<llama_kvcomp_monitor> llama_kvcomp_monitor::get(llama_context * 
 
 void llama_kvcomp_monitor::set_params(const llama_kvcomp_monitor_params & p) {
     params = p;
-    std::lock_guard<std::mutex> lock(mtx);
-    pub_seqs.clear();
 }
 
 llama_kvcomp_monitor_params llama_kvcomp_monitor::get_params() const {
