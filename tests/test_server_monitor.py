@@ -164,3 +164,12 @@ def test_profile_is_the_f16_perplexity_and_the_server_takes_it(bins: Path, model
     with server(bins, model, "-c", "512", "--metrics", "--kv-comp", "balanced", "--kv-comp-baseline", str(out)) as url:
         snap = json.loads(get(f"{url}/kvcomp")[1])
         assert snap["monitor"]["baseline_ppl"] == pytest.approx(profile["ppl"], rel=1e-6)
+
+
+def test_a_broken_profile_is_refused(bins: Path, model: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "profile.json"
+    broken.write_text('{"model": "smollm2-135m", "perplexity": 8.1}')  # no "ppl"
+    proc = subprocess.run([str(bins / "llama-server"), "-m", str(model), "--kv-comp", "balanced",
+                           "--kv-comp-baseline", str(broken)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "is not a calibration profile (JSON with \"ppl\")" in proc.stdout + proc.stderr
