@@ -40,6 +40,7 @@ class BenchResult:
     kv_buffer_mib: float
     compute_mib: float
     peak_rss_mib: float
+    n_prompt: int = 0  # a prefill row (pp) when > 0, else a decode row (tg, n_gen tokens)
 
 
 def _sum(pattern: str, text: str) -> float:
@@ -60,11 +61,13 @@ def parse_memory(log: str, peak_rss_mib: float) -> Memory:
 
 
 def run_bench(cfg: KvConfig, model: Path, depths: Sequence[int], n_gen: int, threads: int,
-              reps: int) -> list[BenchResult]:
+              reps: int, n_prompt: int = 0, n_gpu_layers: int = 0) -> list[BenchResult]:
+    """Decode (tg, n_gen tokens) and, with n_prompt > 0, prefill (pp) speed after each depth;
+    n_gpu_layers > 0 offloads that many layers (llama-bench -ngl)."""
     args = [
-        str(binary("llama-bench")), "-m", str(model), "-fa", "1", "-p", "0", "-n", str(n_gen),
+        str(binary("llama-bench")), "-m", str(model), "-fa", "1", "-p", str(n_prompt), "-n", str(n_gen),
         "-d", ",".join(str(d) for d in sorted(depths)), "-t", str(threads), "-r", str(reps),
-        *cfg.tool_args(), "-o", "json", "-v",
+        "-ngl", str(n_gpu_layers), *cfg.tool_args(), "-o", "json", "-v",
     ]
     with tempfile.TemporaryFile("w+") as fout, tempfile.TemporaryFile("w+") as ferr:
         proc = subprocess.Popen(args, stdout=fout, stderr=ferr, text=True)
@@ -82,7 +85,8 @@ def run_bench(cfg: KvConfig, model: Path, depths: Sequence[int], n_gen: int, thr
     bpe = main_bpe * (1 + mem.kv_buffer_mib / mem.kv_main_mib) if mem.kv_main_mib > 0 else main_bpe
     return [
         BenchResult(cfg.label, int(r["n_depth"]), int(r["n_gen"]), float(r["avg_ts"]), float(r["stddev_ts"]),
-                    bpe, mem.weights_mib, mem.kv_main_mib, mem.kv_buffer_mib, mem.compute_mib, mem.peak_rss_mib)
+                    bpe, mem.weights_mib, mem.kv_main_mib, mem.kv_buffer_mib, mem.compute_mib, mem.peak_rss_mib,
+                    int(r["n_prompt"]) if int(r["n_gen"]) == 0 else 0)
         for r in json.loads(out)
     ]
 
@@ -90,15 +94,18 @@ def run_bench(cfg: KvConfig, model: Path, depths: Sequence[int], n_gen: int, thr
 def bench_table(results: Sequence[BenchResult]) -> str:
     depths = sorted({r.depth for r in results})
     labels = list(dict.fromkeys(r.label for r in results))
-    by_key = {(r.label, r.depth): r for r in results}
+    by_key = {(r.label, r.depth, r.n_prompt > 0): r for r in results}
+    kinds = [(False, "tg")] + ([(True, "pp")] if any(r.n_prompt > 0 for r in results) else [])
+    cols = [(pp, name, d) for pp, name in kinds for d in depths]
     rows = [
-        "| K/V | " + " | ".join(f"tg t/s @ d={d}" for d in depths)
+        "| K/V | " + " | ".join(f"{name} t/s @ d={d}" for _, name, d in cols)
         + f" | bpe | weights MiB | KV main MiB | KV buffer MiB | compute MiB | peak RSS MiB (d={depths[-1]}) |",
-        "|---|" + "---:|" * (len(depths) + 6),
+        "|---|" + "---:|" * (len(cols) + 6),
     ]
     for label in labels:
-        cells = [f"{by_key[(label, d)].tokens_per_s:.1f} ± {by_key[(label, d)].stddev:.1f}" for d in depths]
-        m = by_key[(label, depths[-1])]
+        cells = [f"{by_key[(label, d, pp)].tokens_per_s:.1f} ± {by_key[(label, d, pp)].stddev:.1f}"
+                 for pp, _, d in cols]
+        m = by_key[(label, depths[-1], False)]
         cells += [f"{m.bpe:.2f}", f"{m.weights_mib:.1f}", f"{m.kv_main_mib:.2f}", f"{m.kv_buffer_mib:.2f}",
                   f"{m.compute_mib:.1f}", f"{m.peak_rss_mib:.0f}"]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")

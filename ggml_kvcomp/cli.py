@@ -107,7 +107,7 @@ def _run_kld_all(args: argparse.Namespace, argv: Sequence[str], ppl_only: bool) 
     for ctx in contexts:
         settings = perplexity.RunSettings(
             model=models.fetch_model(args.model), corpus=corpus.corpus_file(),
-            ctx=ctx, chunks=args.chunks, threads=args.threads,
+            ctx=ctx, chunks=args.chunks, threads=args.threads, n_gpu_layers=args.ngl,
         )
         results = []
         for cfg in configs:
@@ -117,7 +117,8 @@ def _run_kld_all(args: argparse.Namespace, argv: Sequence[str], ppl_only: bool) 
         rows += [{"ctx": ctx, **r.as_dict()} for r in results]
         table = report.ppl_table(results) if ppl_only else report.kld_table(results)
         what = "Perplexity with each KV cache" if ppl_only else "KLD vs f16 KV"
-        heading = f"{what}, {args.model}, ctx {ctx}, {args.chunks} chunks, {args.threads} threads"
+        offload = f", -ngl {args.ngl}" if args.ngl else ""
+        heading = f"{what}, {args.model}, ctx {ctx}, {args.chunks} chunks, {args.threads} threads{offload}"
         section = f"{args.command}-{args.model}-ctx{ctx}" + _section_suffix(configs)
         _write_section(args, argv, table, section, heading, f"corpus `{settings.corpus.name}`, ")
         tables.append(f"### {heading}\n\n{table}")
@@ -141,8 +142,12 @@ def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     configs = _configs(args.configs)
     for cfg in configs:
         print(f"kvcomp bench: {cfg.label} ...", file=sys.stderr, flush=True)
-        results.extend(bench.run_bench(cfg, model, args.depths, args.n_gen, args.threads, args.reps))
-    heading = f"Decode speed, {args.model}, llama-bench -fa 1 -n {args.n_gen}, {args.threads} threads"
+        results.extend(bench.run_bench(cfg, model, args.depths, args.n_gen, args.threads, args.reps,
+                                       args.n_prompt, args.ngl))
+    prefill = f" -p {args.n_prompt}" if args.n_prompt else ""
+    offload = f", -ngl {args.ngl}" if args.ngl else ""
+    heading = (f"Decode speed, {args.model}, llama-bench -fa 1 -n {args.n_gen}{prefill}, {args.threads} threads"
+               f"{offload}")
     section = f"bench-{args.model}" + _section_suffix(configs)
     _emit(args, argv, bench.bench_table(results), [asdict(r) for r in results], section, heading, "")
     return 0
@@ -251,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "':m0' monitor off "
                         "(default: f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,kvc2,kvc8/kvc4)")
         sp.add_argument("--threads", type=_positive, default=2)
+        sp.add_argument("--ngl", type=int, default=0, help="layers to offload to a GPU (-ngl; 0: CPU only)")
         sp.add_argument("--json", help="also write the results as JSON to this file")
         sp.add_argument("--results", help="rewrite this run's section of a markdown file (docs/results.md)")
 
@@ -268,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(bn)
     bn.add_argument("--depths", type=_depths, default=[0, 4096])
     bn.add_argument("--n-gen", type=_positive, default=32)
+    bn.add_argument("--n-prompt", type=int, default=0, help="also measure prefill of this many tokens (pp)")
     bn.add_argument("--reps", type=_positive, default=2)
     bn.set_defaults(func=cmd_bench)
 

@@ -24,6 +24,7 @@ class RunSettings:
     threads: int = 2
     batch: int = 512
     flash_attn: bool = True  # the base run always uses it; off measures the MUL_MAT path of K
+    n_gpu_layers: int = 0  # layers offloaded to a GPU (-ngl), 0 for a CPU-only run
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class KldResult:
 def _common_args(s: RunSettings) -> list[str]:
     return [
         "-m", str(s.model), "-f", str(s.corpus), "-c", str(s.ctx), "-b", str(s.batch),
-        "--chunks", str(s.chunks), "-t", str(s.threads), "--no-warmup",
+        "--chunks", str(s.chunks), "-t", str(s.threads), "--no-warmup", "-ngl", str(s.n_gpu_layers),
         "-lv", "4",  # this level carries the KV size line and the model's dimensions
     ]
 
@@ -77,7 +78,8 @@ def _run(args: list[str]) -> str:
 def base_logits(s: RunSettings) -> Path:
     """The f16-KV base logits for these settings, computed once and cached."""
     key = hashlib.sha256(
-        f"{s.model.stat().st_size}:{s.model.name}:{s.corpus.name}:{s.ctx}:{s.chunks}:{s.batch}".encode()
+        f"{s.model.stat().st_size}:{s.model.name}:{s.corpus.name}:{s.ctx}:{s.chunks}:{s.batch}:{s.n_gpu_layers}"
+        .encode()
     ).hexdigest()[:16]
     out = cache_dir() / "kld-base" / f"base-{key}.bin"
     if not out.exists():

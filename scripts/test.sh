@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command: builds (reusing the cached build), prepares a virtualenv with the test
-# tools, then runs lint, type checks and the pytest suite, which also runs the C++ tests.
+# The test command: builds (reusing the cached build), compiles the CUDA sources (no GPU
+# needed, scripts/cuda-compile.sh), prepares a virtualenv with the test tools, then runs lint,
+# type checks and the pytest suite, which also runs the C++ tests.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -18,6 +19,10 @@ log=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}/build.log
 mkdir -p "$(dirname "$log")"
 echo "building (log: $log) ..."
 scripts/build.sh >"$log" 2>&1 || { tail -n 60 "$log"; echo "build failed, see $log" >&2; exit 1; }
+cuda_log=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}/cuda-compile.log
+echo "compiling the CUDA kernels and hooks, no GPU needed (log: $cuda_log) ..."
+scripts/cuda-compile.sh >"$cuda_log" 2>&1 || { tail -n 60 "$cuda_log"; echo "CUDA compile failed, see $cuda_log" >&2; exit 1; }
+tail -n 1 "$cuda_log"
 "$venv/bin/ruff" check ggml_kvcomp tests scripts
 "$venv/bin/mypy"
 "$venv/bin/pytest" -v "$@"

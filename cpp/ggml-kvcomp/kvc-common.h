@@ -55,7 +55,17 @@ static_assert(sizeof(block_kvc2) == 2 + QK_KVC / 4, "wrong kvc2 block size/paddi
 static_assert(offsetof(block_kvc4, e) == 0 && offsetof(block_kvc3, e) == 0 && offsetof(block_kvc2, e) == 0,
               "kvc low-bit blocks must start with their step codes");
 
-// Level tables in units of the sub-block step.
+// Level tables in units of the sub-block step (Lloyd-Max levels of a unit Gaussian, scaled so
+// the outermost level is 127), spelled once for the C tables and the GPU kernels.
+#define KVC_LEVELS_KVC4 { -127, -96, -75, -58, -44, -31, -18, -6, 6, 18, 31, 44, 58, 75, 96, 127 }
+#define KVC_LEVELS_KVC3 { -127, -79, -45, -14, 14, 45, 79, 127 }
+#define KVC_LEVELS_KVC2 { -127, -38, 38, 127 }
+
+// How far below the absmax-matching step the MSE search goes, in 1/8 octaves: clipping the
+// largest values of a 16-value Gaussian block by up to ~35% can lower the total error.
+#define KVC_SEARCH_DOWN 12
+#define KVC_SEARCH_UP   1
+
 extern const int8_t kvalues_kvc4[16];
 extern const int8_t kvalues_kvc3[8];
 extern const int8_t kvalues_kvc2[4];
@@ -63,10 +73,10 @@ extern const int8_t kvalues_kvc2[4];
 // The 8-bit step code: e = 0 is an exact zero, otherwise the step is 2^((e - 160) / 8),
 // which spans 2^-20 .. 2^12 in 1/8-octave increments. Built from exponent bits so that
 // the hot dequantization loops need no exp2f.
+#define KVC_E8_FRAC { 1.0f, 1.09050773f, 1.18920712f, 1.29683955f, 1.41421356f, 1.54221083f, 1.68179283f, 1.83400809f }
+
 static inline float kvc_e8_to_fp32(uint8_t e) {
-    static const float frac[8] = {
-        1.0f, 1.09050773f, 1.18920712f, 1.29683955f, 1.41421356f, 1.54221083f, 1.68179283f, 1.83400809f,
-    };
+    static const float frac[8] = KVC_E8_FRAC;
     union { uint32_t u; float f; } p;
     p.u = (uint32_t) ((e >> 3) + 107) << 23;
     return e ? frac[e & 7] * p.f : 0.0f;

@@ -6,15 +6,9 @@
 #include <math.h>
 #include <string.h>
 
-// Lloyd-Max levels of a unit Gaussian, scaled so the outermost level is 127.
-const int8_t kvalues_kvc4[16] = { -127, -96, -75, -58, -44, -31, -18, -6, 6, 18, 31, 44, 58, 75, 96, 127 };
-const int8_t kvalues_kvc3[8]  = { -127, -79, -45, -14, 14, 45, 79, 127 };
-const int8_t kvalues_kvc2[4]  = { -127, -38, 38, 127 };
-
-// How far below the absmax-matching step the MSE search goes, in 1/8 octaves: clipping the
-// largest values of a 16-value Gaussian block by up to ~35% can lower the total error.
-#define KVC_SEARCH_DOWN 12
-#define KVC_SEARCH_UP   1
+const int8_t kvalues_kvc4[16] = KVC_LEVELS_KVC4;
+const int8_t kvalues_kvc3[8]  = KVC_LEVELS_KVC3;
+const int8_t kvalues_kvc2[4]  = KVC_LEVELS_KVC2;
 
 typedef struct {
     const int8_t * levels;

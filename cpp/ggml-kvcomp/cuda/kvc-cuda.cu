@@ -1,0 +1,845 @@
+// CUDA kernels of the kvc types: dequantization (convert, GET_ROWS, CPY to float), quantization
+// (SET_ROWS, CPY from F32/F16) and a flash-attention vector kernel that reads kvc K and V blocks
+// where they lie. The scalar references are in kvc-quants.c; cpp/tests/test-kvc-backend.cpp
+// checks every op here against the CPU backend.
+
+#include "kvc-cuda.cuh"
+
+#include "kvc-common.h"
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+template <ggml_type type> struct kvc_traits;
+template <> struct kvc_traits<GGML_TYPE_KVC8> { using block = block_kvc8; static constexpr int n_levels = 0; };
+template <> struct kvc_traits<GGML_TYPE_KVC4> { using block = block_kvc4; static constexpr int n_levels = 16; };
+template <> struct kvc_traits<GGML_TYPE_KVC3> { using block = block_kvc3; static constexpr int n_levels = 8; };
+template <> struct kvc_traits<GGML_TYPE_KVC2> { using block = block_kvc2; static constexpr int n_levels = 4; };
+
+template <ggml_type type> constexpr int kvc_block_size = (int) sizeof(typename kvc_traits<type>::block);
+
+__constant__ int8_t kvc_levels_kvc4_dev[16] = KVC_LEVELS_KVC4;
+__constant__ int8_t kvc_levels_kvc3_dev[8]  = KVC_LEVELS_KVC3;
+__constant__ int8_t kvc_levels_kvc2_dev[4]  = KVC_LEVELS_KVC2;
+
+// Codes index the level table per lane, which constant memory would serialize: every kernel
+// copies its type's levels to shared memory first (kvc_load_levels, then __syncthreads).
+template <ggml_type type>
+__device__ __forceinline__ void kvc_load_levels(float * lv, int tid, int n_threads) {
+    constexpr int n = kvc_traits<type>::n_levels;
+    for (int i = tid; i < n; i += n_threads) {
+        if constexpr (type == GGML_TYPE_KVC4) {
+            lv[i] = kvc_levels_kvc4_dev[i];
+        } else if constexpr (type == GGML_TYPE_KVC3) {
+            lv[i] = kvc_levels_kvc3_dev[i];
+        } else if constexpr (type == GGML_TYPE_KVC2) {
+            lv[i] = kvc_levels_kvc2_dev[i];
+        }
+    }
+}
+
+// kvc_e8_to_fp32 with the fraction picked by selects, not an indexed (local-memory) table.
+__device__ __forceinline__ float kvc_step(uint8_t e) {
+    constexpr float frac_tab[8] = KVC_E8_FRAC;
+    const int f = e & 7;
+    float frac = frac_tab[0];
+#pragma unroll
+    for (int i = 1; i < 8; ++i) {
+        frac = f == i ? frac_tab[i] : frac;
+    }
+    return e ? __uint_as_float(((uint32_t) (e >> 3) + 107u) << 23) * frac : 0.0f;
+}
+
+// The code of value j (0..31) of a low-bit block b.
+template <ggml_type type>
+__device__ __forceinline__ int kvc_code(const uint8_t * b, int j) {
+    if constexpr (type == GGML_TYPE_KVC4) {
+        const int q = b[2 + (j & 15)];
+        return j < 16 ? q & 15 : q >> 4;
+    } else if constexpr (type == GGML_TYPE_KVC3) {
+        const int g = j >> 3;
+        return ((b[2 + (j & 7)] >> (2*g)) & 3) | (((b[10 + g] >> (j & 7)) & 1) << 2);
+    } else {
+        static_assert(type == GGML_TYPE_KVC2, "low-bit kvc type expected");
+        return (b[2 + (j & 7)] >> (2*((j >> 3)))) & 3;
+    }
+}
+
+// Values j0 .. j0 + n - 1 of block b, all in one 16-value sub-block.
+template <ggml_type type, int n>
+__device__ __forceinline__ void kvc_values(const uint8_t * b, int j0, const float * lv, float * out) {
+    if constexpr (type == GGML_TYPE_KVC8) {
+        const float d = __half2float(*(const half *) b);
+#pragma unroll
+        for (int i = 0; i < n; ++i) {
+            out[i] = d * (float) (int8_t) b[2 + j0 + i];
+        }
+    } else {
+        const float d = kvc_step(b[j0 >> 4]);
+#pragma unroll
+        for (int i = 0; i < n; ++i) {
+            out[i] = d * lv[kvc_code<type>(b, j0 + i)];
+        }
+    }
+}
+
+// ---- quantization (one thread per 32-value block, the search of kvc-quants.c) ----
+
+__device__ __forceinline__ float kvc_finite_or_zero(float v) {
+    return isfinite(v) ? v : 0.0f;
+}
+
+template <int n_levels>
+__device__ __forceinline__ int kvc_nearest(const float * lv, float v) {
+    int c = 0;
+#pragma unroll
+    for (int i = 0; i + 1 < n_levels; ++i) {
+        c += v > 0.5f*(lv[i] + lv[i + 1]);
+    }
+    return c;
+}
+
+template <int n_levels>
+__device__ uint8_t kvc_quantize_sub(const float * v, const float * lv, uint8_t * codes) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < QK_KVC_SUB; ++i) {
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    if (amax == 0.0f) {
+#pragma unroll
+        for (int i = 0; i < QK_KVC_SUB; ++i) {
+            codes[i] = n_levels / 2;
+        }
+        return 0;
+    }
+
+    const int e_max = min(255, max(1, __float2int_rn(8.0f*log2f(amax / lv[n_levels - 1])) + 160));
+
+    int   best_e   = e_max;
+    float best_err = INFINITY;
+    for (int e = e_max + KVC_SEARCH_UP; e >= e_max - KVC_SEARCH_DOWN; --e) {
+        if (e < 1 || e > 255) {
+            continue;
+        }
+        const float d  = kvc_step((uint8_t) e);
+        const float id = 1.0f / d;
+        float err = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QK_KVC_SUB; ++i) {
+            const float diff = v[i] - d*lv[kvc_nearest<n_levels>(lv, v[i]*id)];
+            err += diff*diff;
+        }
+        if (err < best_err) {
+            best_err = err;
+            best_e   = e;
+        }
+    }
+
+    const float id = 1.0f / kvc_step((uint8_t) best_e);
+#pragma unroll
+    for (int i = 0; i < QK_KVC_SUB; ++i) {
+        codes[i] = (uint8_t) kvc_nearest<n_levels>(lv, v[i]*id);
+    }
+    return (uint8_t) best_e;
+}
+
+template <ggml_type type, typename src_t>
+__device__ void kvc_quantize_block(const src_t * x, uint8_t * y, const float * lv) {
+    float v[QK_KVC];
+#pragma unroll
+    for (int i = 0; i < QK_KVC; ++i) {
+        v[i] = kvc_finite_or_zero(ggml_cuda_cast<float>(x[i]));
+    }
+
+    if constexpr (type == GGML_TYPE_KVC8) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QK_KVC; ++i) {
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+        half  best_d   = __float2half(amax / 127.0f);
+        float best_err = INFINITY;
+        for (int s = 0; s < 8 && amax > 0.0f; ++s) {
+            const half  dh = __float2half(amax / 127.0f * (1.0f - 0.03f*s));
+            const float d  = __half2float(dh);
+            if (d == 0.0f) {
+                continue;
+            }
+            const float id = 1.0f / d;
+            float err = 0.0f;
+#pragma unroll
+            for (int i = 0; i < QK_KVC; ++i) {
+                const float diff = v[i] - d*(float) min(127, max(-127, __float2int_rn(v[i]*id)));
+                err += diff*diff;
+            }
+            if (err < best_err) {
+                best_err = err;
+                best_d   = dh;
+            }
+        }
+        const float d  = __half2float(best_d);
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        *(half *) y = best_d;
+#pragma unroll
+        for (int i = 0; i < QK_KVC; ++i) {
+            y[2 + i] = (uint8_t) (int8_t) min(127, max(-127, __float2int_rn(v[i]*id)));
+        }
+    } else {
+        constexpr int n = kvc_traits<type>::n_levels;
+        uint8_t codes[QK_KVC];
+        y[0] = kvc_quantize_sub<n>(v,              lv, codes);
+        y[1] = kvc_quantize_sub<n>(v + QK_KVC_SUB, lv, codes + QK_KVC_SUB);
+        if constexpr (type == GGML_TYPE_KVC4) {
+#pragma unroll
+            for (int j = 0; j < QK_KVC/2; ++j) {
+                y[2 + j] = (uint8_t) (codes[j] | codes[j + QK_KVC/2] << 4);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < QK_KVC/4; ++j) {
+                y[2 + j] = (uint8_t) ((codes[j] & 3) | (codes[j + 8] & 3) << 2 | (codes[j + 16] & 3) << 4 | (codes[j + 24] & 3) << 6);
+            }
+            if constexpr (type == GGML_TYPE_KVC3) {
+#pragma unroll
+                for (int g = 0; g < QK_KVC/8; ++g) {
+                    uint8_t h = 0;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        h |= (uint8_t) (((codes[8*g + i] >> 2) & 1) << i);
+                    }
+                    y[10 + g] = h;
+                }
+            }
+        }
+    }
+}
+
+// Rows of a 4-d tensor in order: the byte offset of row r, for a row mapping between two
+// tensors of the same element count and row length (CPY).
+struct kvc_rows {
+    int64_t ne1, ne2;
+    int64_t nb1, nb2, nb3;
+
+    __device__ __forceinline__ int64_t offset(int64_t r) const {
+        const int64_t i1 = r % ne1;
+        const int64_t i2 = (r / ne1) % ne2;
+        const int64_t i3 = r / (ne1*ne2);
+        return i1*nb1 + i2*nb2 + i3*nb3;
+    }
+};
+
+kvc_rows kvc_rows_of(const ggml_tensor * t) {
+    return { t->ne[1], t->ne[2], (int64_t) t->nb[1], (int64_t) t->nb[2], (int64_t) t->nb[3] };
+}
+
+constexpr int KVC_THREADS = 256;
+
+// ---- dequantization ----
+
+// y (contiguous) = x viewed as ne00 x ne01 x ne02 x ne03 with byte strides s01, s02, s03.
+template <ggml_type type, typename dst_t>
+__global__ void k_kvc_dequant(const char * __restrict__ x, dst_t * __restrict__ y, int64_t ne00, int64_t ne01, int64_t ne02,
+                              int64_t ne03, int64_t s01, int64_t s02, int64_t s03) {
+    __shared__ float lv[16];
+    kvc_load_levels<type>(lv, threadIdx.x, blockDim.x);
+    __syncthreads();
+
+    const int64_t i00 = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    if (i00 >= ne00) {
+        return;
+    }
+    const int j = i00 % QK_KVC;
+    for (int64_t i01 = blockIdx.y; i01 < ne01; i01 += gridDim.y) {
+        for (int64_t i0203 = blockIdx.z; i0203 < ne02*ne03; i0203 += gridDim.z) {
+            const int64_t i02 = i0203 % ne02;
+            const int64_t i03 = i0203 / ne02;
+            const uint8_t * b = (const uint8_t *) x + i03*s03 + i02*s02 + i01*s01 + (i00 / QK_KVC)*kvc_block_size<type>;
+            float v;
+            kvc_values<type, 1>(b, j, lv, &v);
+            y[(i0203*ne01 + i01)*ne00 + i00] = ggml_cuda_cast<dst_t>(v);
+        }
+    }
+}
+
+// strides in blocks, as upstream's *_nc converters take them
+template <ggml_type type, typename dst_t>
+void kvc_to_nc_cuda(const void * x, dst_t * y, int64_t ne00, int64_t ne01, int64_t ne02, int64_t ne03,
+                    int64_t s01, int64_t s02, int64_t s03, cudaStream_t stream) {
+    const int64_t bs = kvc_block_size<type>;
+    const dim3 grid((ne00 + KVC_THREADS - 1) / KVC_THREADS, (unsigned) std::min<int64_t>(ne01, 65535),
+                    (unsigned) std::min<int64_t>(ne02*ne03, 65535));
+    k_kvc_dequant<type><<<grid, KVC_THREADS, 0, stream>>>((const char *) x, y, ne00, ne01, ne02, ne03, s01*bs, s02*bs, s03*bs);
+}
+
+template <ggml_type type, typename dst_t>
+void kvc_to_cont_cuda(const void * x, dst_t * y, int64_t k, cudaStream_t stream) {
+    const int64_t nb = k / QK_KVC;
+    // rows of 32 blocks keep the grid's x dimension small for long tensors
+    const int64_t row = nb % 32 == 0 ? 32 : 1;
+    kvc_to_nc_cuda<type>(x, y, row*QK_KVC, nb / row, 1, 1, row, nb, nb, stream);
+}
+
+// Calls f(std::integral_constant<ggml_type, T>) for the kvc type T == type; false for other types.
+template <typename F>
+bool kvc_dispatch(ggml_type type, F && f) {
+    switch (type) {
+        case GGML_TYPE_KVC8: f(std::integral_constant<ggml_type, GGML_TYPE_KVC8>{}); return true;
+        case GGML_TYPE_KVC4: f(std::integral_constant<ggml_type, GGML_TYPE_KVC4>{}); return true;
+        case GGML_TYPE_KVC3: f(std::integral_constant<ggml_type, GGML_TYPE_KVC3>{}); return true;
+        case GGML_TYPE_KVC2: f(std::integral_constant<ggml_type, GGML_TYPE_KVC2>{}); return true;
+        default:             return false;
+    }
+}
+
+// GET_ROWS: dst[:, i10, i11, i12] = src0[:, src1[i10, i11, i12], i11, i12]
+template <ggml_type type, typename dst_t>
+__global__ void k_kvc_get_rows(const char * __restrict__ src0, const int32_t * __restrict__ src1, dst_t * __restrict__ dst,
+                               int64_t ne00, int64_t ne11, int64_t nb01, int64_t nb02, int64_t nb03,
+                               int64_t nb10, int64_t nb11, int64_t nb12, int64_t nb1, int64_t nb2, int64_t nb3) {
+    __shared__ float lv[16];
+    kvc_load_levels<type>(lv, threadIdx.x, blockDim.x);
+    __syncthreads();
+
+    const int64_t i00 = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    if (i00 >= ne00) {
+        return;
+    }
+    const int64_t i10 = blockIdx.y;
+    const int64_t i11 = blockIdx.z % ne11;
+    const int64_t i12 = blockIdx.z / ne11;
+    const int32_t r   = *(const int32_t *) ((const char *) src1 + i10*nb10 + i11*nb11 + i12*nb12);
+
+    const uint8_t * b = (const uint8_t *) src0 + r*nb01 + i11*nb02 + i12*nb03 + (i00 / QK_KVC)*kvc_block_size<type>;
+    float v;
+    kvc_values<type, 1>(b, i00 % QK_KVC, lv, &v);
+    *(dst_t *) ((char *) dst + i10*nb1 + i11*nb2 + i12*nb3 + i00*sizeof(dst_t)) = ggml_cuda_cast<dst_t>(v);
+}
+
+// CPY of kvc rows into float rows with the same row length
+template <ggml_type type, typename dst_t>
+__global__ void k_kvc_cpy_to_float(const char * __restrict__ src, char * __restrict__ dst, int64_t ne00, int64_t n_rows,
+                                   kvc_rows rs, kvc_rows rd) {
+    __shared__ float lv[16];
+    kvc_load_levels<type>(lv, threadIdx.x, blockDim.x);
+    __syncthreads();
+
+    const int64_t i00 = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    if (i00 >= ne00) {
+        return;
+    }
+    for (int64_t r = blockIdx.y; r < n_rows; r += gridDim.y) {
+        const uint8_t * b = (const uint8_t *) src + rs.offset(r) + (i00 / QK_KVC)*kvc_block_size<type>;
+        float v;
+        kvc_values<type, 1>(b, i00 % QK_KVC, lv, &v);
+        *(dst_t *) (dst + rd.offset(r) + i00*sizeof(dst_t)) = ggml_cuda_cast<dst_t>(v);
+    }
+}
+
+// CPY of float rows into kvc rows with the same row length: one thread per block
+template <ggml_type type, typename src_t>
+__global__ void k_kvc_cpy_from_float(const char * __restrict__ src, char * __restrict__ dst, int64_t nb_row, int64_t n_rows,
+                                     int64_t nb00, kvc_rows rs, kvc_rows rd) {
+    __shared__ float lv[16];
+    kvc_load_levels<type>(lv, threadIdx.x, blockDim.x);
+    __syncthreads();
+
+    const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    if (i >= nb_row*n_rows) {
+        return;
+    }
+    const int64_t r  = i / nb_row;
+    const int64_t ib = i % nb_row;
+    const char * x = src + rs.offset(r) + ib*QK_KVC*nb00;
+    src_t v[QK_KVC];
+#pragma unroll
+    for (int k = 0; k < QK_KVC; ++k) {
+        v[k] = *(const src_t *) (x + k*nb00);
+    }
+    kvc_quantize_block<type>(v, (uint8_t *) dst + rd.offset(r) + ib*kvc_block_size<type>, lv);
+}
+
+// SET_ROWS: dst[:, src1[i01, i02 % ne11, i03 % ne12], i02, i03] = quantize(src0[:, i01, i02, i03])
+template <ggml_type type, typename src_t, typename idx_t>
+__global__ void k_kvc_set_rows(const char * __restrict__ src0, const char * __restrict__ src1, char * __restrict__ dst,
+                               int64_t nb_row, int64_t ne01, int64_t ne02, int64_t ne03, int64_t ne11, int64_t ne12,
+                               int64_t nb00, int64_t nb01, int64_t nb02, int64_t nb03,
+                               int64_t nb10, int64_t nb11, int64_t nb12, int64_t nb1, int64_t nb2, int64_t nb3) {
+    __shared__ float lv[16];
+    kvc_load_levels<type>(lv, threadIdx.x, blockDim.x);
+    __syncthreads();
+
+    const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    if (i >= nb_row*ne01*ne02*ne03) {
+        return;
+    }
+    const int64_t ib  = i % nb_row;
+    const int64_t i01 = (i / nb_row) % ne01;
+    const int64_t i02 = (i / (nb_row*ne01)) % ne02;
+    const int64_t i03 = i / (nb_row*ne01*ne02);
+
+    const int64_t r = (int64_t) *(const idx_t *) (src1 + i01*nb10 + (i02 % ne11)*nb11 + (i03 % ne12)*nb12);
+
+    const char * x = src0 + i01*nb01 + i02*nb02 + i03*nb03 + ib*QK_KVC*nb00;
+    src_t v[QK_KVC];
+#pragma unroll
+    for (int k = 0; k < QK_KVC; ++k) {
+        v[k] = *(const src_t *) (x + k*nb00);
+    }
+    kvc_quantize_block<type>(v, (uint8_t *) dst + r*nb1 + i02*nb2 + i03*nb3 + ib*kvc_block_size<type>, lv);
+}
+
+// ---- flash attention, vector kernel ----
+//
+// One thread block per (chunk of KVC_FA_CHUNK cells, Q head, Q column): warps take cells in
+// turn, each lane holds D/32 consecutive values of the row, so K and V are read as packed blocks
+// and never copied. Each block leaves a partial softmax (max, sum, weighted V) and
+// k_kvc_fattn_combine merges the chunks, with the attention sink when there is one.
+
+constexpr int KVC_FA_WARPS = 4;
+constexpr int KVC_FA_CHUNK = 256;
+
+struct kvc_fattn_params {
+    const char * Q; const char * K; const char * V; const char * mask; const float * sinks;
+    float * part; // per (row, chunk): max, sum, D values
+    float * dst;
+    int64_t n_kv, n_q, n_head, n_head_k, n_head_v, n_q3, n_k3, n_v3, mask_ne1, mask_ne3;
+    int64_t nbq1, nbq2, nbq3, nbk1, nbk2, nbk3, nbv1, nbv2, nbv3, nbm1, nbm3;
+    float scale, softcap, m0, m1;
+    uint32_t n_head_log2;
+    int n_chunks;
+};
+
+template <int D>
+__device__ __forceinline__ int64_t kvc_fattn_part_stride() {
+    return D + 2;
+}
+
+template <int D, ggml_type type_K, ggml_type type_V>
+__global__ void __launch_bounds__(KVC_FA_WARPS*WARP_SIZE) k_kvc_fattn_vec(const kvc_fattn_params p) {
+    constexpr int EPL = D / WARP_SIZE; // values per lane
+    static_assert(D % (2*WARP_SIZE) == 0 && QK_KVC_SUB % EPL == 0, "head size must be a multiple of 64, at most 512");
+
+    __shared__ float lv_k[16];
+    __shared__ float lv_v[16];
+    __shared__ float s[KVC_FA_CHUNK];
+    __shared__ float red[KVC_FA_WARPS][D];
+    __shared__ float red_max[KVC_FA_WARPS];
+    __shared__ float red_sum[KVC_FA_WARPS];
+
+    const int tid  = threadIdx.x;
+    const int lane = tid % WARP_SIZE;
+    const int warp = tid / WARP_SIZE;
+
+    kvc_load_levels<type_K>(lv_k, tid, blockDim.x);
+    kvc_load_levels<type_V>(lv_v, tid, blockDim.x);
+
+    const int     chunk = blockIdx.x;
+    const int64_t h     = blockIdx.y;
+    const int64_t iq1   = blockIdx.z % p.n_q;
+    const int64_t iq3   = blockIdx.z / p.n_q;
+
+    const int64_t c0 = (int64_t) chunk*KVC_FA_CHUNK;
+    const int64_t c1 = min(p.n_kv, c0 + KVC_FA_CHUNK);
+
+    const int64_t hk = h / (p.n_head / p.n_head_k);
+    const int64_t hv = h / (p.n_head / p.n_head_v);
+    const char * Kh = p.K + hk*p.nbk2 + (iq3 / (p.n_q3 / p.n_k3))*p.nbk3;
+    const char * Vh = p.V + hv*p.nbv2 + (iq3 / (p.n_q3 / p.n_v3))*p.nbv3;
+    const half * mrow = p.mask ? (const half *) (p.mask + (iq1 % p.mask_ne1)*p.nbm1 + (iq3 % p.mask_ne3)*p.nbm3) : nullptr;
+
+    float slope = 1.0f;
+    if (p.m0 != 1.0f || p.m1 != 1.0f) {
+        slope = h < p.n_head_log2 ? powf(p.m0, h + 1) : powf(p.m1, 2*(h - p.n_head_log2) + 1);
+    }
+
+    const int j0 = (lane*EPL) % QK_KVC;
+    const int64_t kb = (lane*EPL) / QK_KVC; // block of this lane's values in a row
+
+    float q[EPL];
+    {
+        const float * qrow = (const float *) (p.Q + iq1*p.nbq1 + h*p.nbq2 + iq3*p.nbq3);
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+            q[i] = qrow[lane*EPL + i] * p.scale;
+        }
+    }
+    __syncthreads();
+
+    float warp_max = -INFINITY;
+    for (int64_t c = c0 + warp; c < c1; c += KVC_FA_WARPS) {
+        const float mv = mrow ? slope*__half2float(mrow[c]) : 0.0f;
+        float sc = -INFINITY;
+        if (mv != -INFINITY) {
+            float k[EPL];
+            kvc_values<type_K, EPL>((const uint8_t *) Kh + c*p.nbk1 + kb*kvc_block_size<type_K>, j0, lv_k, k);
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < EPL; ++i) {
+                dot += q[i]*k[i];
+            }
+            dot = warp_reduce_sum(dot);
+            if (p.softcap != 0.0f) {
+                dot = p.softcap*tanhf(dot);
+            }
+            sc = dot + mv;
+        }
+        if (lane == 0) {
+            s[c - c0] = sc;
+        }
+        warp_max = fmaxf(warp_max, sc);
+    }
+    if (lane == 0) {
+        red_max[warp] = warp_max;
+    }
+    __syncthreads();
+
+    float m = red_max[0];
+#pragma unroll
+    for (int w = 1; w < KVC_FA_WARPS; ++w) {
+        m = fmaxf(m, red_max[w]);
+    }
+
+    float acc[EPL] = {};
+    float l = 0.0f;
+    if (m != -INFINITY) {
+        for (int64_t c = c0 + warp; c < c1; c += KVC_FA_WARPS) {
+            const float pc = expf(s[c - c0] - m);
+            l += pc;
+            if (pc == 0.0f) {
+                continue;
+            }
+            float v[EPL];
+            kvc_values<type_V, EPL>((const uint8_t *) Vh + c*p.nbv1 + kb*kvc_block_size<type_V>, j0, lv_v, v);
+#pragma unroll
+            for (int i = 0; i < EPL; ++i) {
+                acc[i] += pc*v[i];
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+        red[warp][lane*EPL + i] = acc[i];
+    }
+    if (lane == 0) {
+        red_sum[warp] = l; // every lane of a warp summed the same weights
+    }
+    __syncthreads();
+
+    const int64_t row = (iq3*p.n_q + iq1)*p.n_head + h;
+    float * part = p.part + (row*p.n_chunks + chunk)*kvc_fattn_part_stride<D>();
+    for (int d = tid; d < D; d += blockDim.x) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < KVC_FA_WARPS; ++w) {
+            sum += red[w][d];
+        }
+        part[2 + d] = sum;
+    }
+    if (tid == 0) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < KVC_FA_WARPS; ++w) {
+            sum += red_sum[w];
+        }
+        part[0] = m;
+        part[1] = sum;
+    }
+}
+
+// dst row (iq3, iq1, h) = sum_c e^(m_c - M) acc_c / (sum_c e^(m_c - M) l_c + e^(sink - M))
+template <int D>
+__global__ void k_kvc_fattn_combine(const kvc_fattn_params p) {
+    const int64_t row = blockIdx.x;
+    const int64_t h   = row % p.n_head;
+    const float * part = p.part + row*p.n_chunks*kvc_fattn_part_stride<D>();
+
+    float M = p.sinks ? p.sinks[h] : -INFINITY;
+    for (int c = 0; c < p.n_chunks; ++c) {
+        M = fmaxf(M, part[c*kvc_fattn_part_stride<D>()]);
+    }
+    float L = p.sinks ? expf(p.sinks[h] - M) : 0.0f;
+    for (int c = 0; c < p.n_chunks; ++c) {
+        const float mc = part[c*kvc_fattn_part_stride<D>()];
+        L += mc == -INFINITY ? 0.0f : expf(mc - M)*part[c*kvc_fattn_part_stride<D>() + 1];
+    }
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int c = 0; c < p.n_chunks; ++c) {
+            const float mc = part[c*kvc_fattn_part_stride<D>()];
+            acc += mc == -INFINITY ? 0.0f : expf(mc - M)*part[c*kvc_fattn_part_stride<D>() + 2 + d];
+        }
+        p.dst[row*D + d] = L > 0.0f ? acc / L : 0.0f;
+    }
+}
+
+template <int D, ggml_type type_K, ggml_type type_V>
+void kvc_fattn_vec_launch(const kvc_fattn_params & p, cudaStream_t stream) {
+    const dim3 grid(p.n_chunks, (unsigned) p.n_head, (unsigned) (p.n_q*p.n_q3));
+    k_kvc_fattn_vec<D, type_K, type_V><<<grid, KVC_FA_WARPS*WARP_SIZE, 0, stream>>>(p);
+    k_kvc_fattn_combine<D><<<(unsigned) (p.n_head*p.n_q*p.n_q3), D, 0, stream>>>(p);
+}
+
+// The K/V pairs with a vector kernel: K at least as wide as V (the kvc types are numbered from
+// the widest), since K carries the softmax's sensitivity and is the one users keep wider.
+constexpr bool kvc_fattn_pair(ggml_type type_K, ggml_type type_V) {
+    return type_K <= type_V;
+}
+
+bool kvc_fattn_pair_supported(ggml_type type_K, ggml_type type_V) {
+    return ggml_cuda_kvc_is_kvc(type_K) && ggml_cuda_kvc_is_kvc(type_V) && kvc_fattn_pair(type_K, type_V);
+}
+
+template <int D>
+bool kvc_fattn_vec_dispatch_d(ggml_type type_K, ggml_type type_V, const kvc_fattn_params & p, cudaStream_t stream) {
+    bool done = false;
+    kvc_dispatch(type_K, [&](auto tk) {
+        kvc_dispatch(type_V, [&](auto tv) {
+            constexpr ggml_type tK = decltype(tk)::value;
+            constexpr ggml_type tV = decltype(tv)::value;
+            if constexpr (kvc_fattn_pair(tK, tV)) {
+                kvc_fattn_vec_launch<D, tK, tV>(p, stream);
+                done = true;
+            }
+        });
+    });
+    return done;
+}
+
+} // namespace
+
+to_fp16_cuda_t ggml_cuda_kvc_get_to_fp16(ggml_type type) {
+    to_fp16_cuda_t fn = nullptr;
+    kvc_dispatch(type, [&](auto t) { fn = kvc_to_cont_cuda<decltype(t)::value, half>; });
+    return fn;
+}
+
+to_fp32_cuda_t ggml_cuda_kvc_get_to_fp32(ggml_type type) {
+    to_fp32_cuda_t fn = nullptr;
+    kvc_dispatch(type, [&](auto t) { fn = kvc_to_cont_cuda<decltype(t)::value, float>; });
+    return fn;
+}
+
+to_fp16_nc_cuda_t ggml_cuda_kvc_get_to_fp16_nc(ggml_type type) {
+    to_fp16_nc_cuda_t fn = nullptr;
+    kvc_dispatch(type, [&](auto t) { fn = kvc_to_nc_cuda<decltype(t)::value, half>; });
+    return fn;
+}
+
+to_fp32_nc_cuda_t ggml_cuda_kvc_get_to_fp32_nc(ggml_type type) {
+    to_fp32_nc_cuda_t fn = nullptr;
+    kvc_dispatch(type, [&](auto t) { fn = kvc_to_nc_cuda<decltype(t)::value, float>; });
+    return fn;
+}
+
+bool ggml_cuda_kvc_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * src0 = dst->src[0];
+    const ggml_tensor * src1 = dst->src[1];
+    if (!ggml_cuda_kvc_is_kvc(dst->type)) {
+        return false;
+    }
+    GGML_TENSOR_BINARY_OP_LOCALS
+
+    const int64_t nb_row = ne00 / QK_KVC;
+    const int64_t n      = nb_row*ne01*ne02*ne03;
+    if (n == 0) {
+        return true;
+    }
+    const int n_blocks = (int) ((n + KVC_THREADS - 1) / KVC_THREADS);
+    cudaStream_t stream = ctx.stream();
+
+    kvc_dispatch(dst->type, [&](auto t) {
+        constexpr ggml_type type = decltype(t)::value;
+        auto launch = [&](auto src_v, auto idx_v) {
+            using src_t = decltype(src_v);
+            using idx_t = decltype(idx_v);
+            k_kvc_set_rows<type, src_t, idx_t><<<n_blocks, KVC_THREADS, 0, stream>>>(
+                (const char *) src0->data, (const char *) src1->data, (char *) dst->data, nb_row, ne01, ne02, ne03, ne11, ne12,
+                nb00, nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3);
+        };
+        const bool f16 = src0->type == GGML_TYPE_F16;
+        const bool i64 = src1->type == GGML_TYPE_I64;
+        if (f16) {
+            i64 ? launch(half(), int64_t()) : launch(half(), int32_t());
+        } else {
+            i64 ? launch(float(), int64_t()) : launch(float(), int32_t());
+        }
+    });
+    return true;
+}
+
+bool ggml_cuda_kvc_get_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * src0 = dst->src[0];
+    const ggml_tensor * src1 = dst->src[1];
+    if (!ggml_cuda_kvc_is_kvc(src0->type)) {
+        return false;
+    }
+    GGML_TENSOR_BINARY_OP_LOCALS
+
+    if (ne10*ne11*ne12 == 0) {
+        return true;
+    }
+    const dim3 grid((unsigned) ((ne00 + KVC_THREADS - 1) / KVC_THREADS), (unsigned) ne10, (unsigned) (ne11*ne12));
+    cudaStream_t stream = ctx.stream();
+    kvc_dispatch(src0->type, [&](auto t) {
+        constexpr ggml_type type = decltype(t)::value;
+        if (dst->type == GGML_TYPE_F16) {
+            k_kvc_get_rows<type><<<grid, KVC_THREADS, 0, stream>>>((const char *) src0->data, (const int32_t *) src1->data,
+                (half *) dst->data, ne00, ne11, nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3);
+        } else {
+            k_kvc_get_rows<type><<<grid, KVC_THREADS, 0, stream>>>((const char *) src0->data, (const int32_t *) src1->data,
+                (float *) dst->data, ne00, ne11, nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3);
+        }
+    });
+    return true;
+}
+
+bool ggml_cuda_kvc_cpy(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, ggml_tensor * src1) {
+    const bool from_kvc = ggml_cuda_kvc_is_kvc(src0->type);
+    const bool to_kvc   = ggml_cuda_kvc_is_kvc(src1->type);
+    if ((!from_kvc && !to_kvc) || src0->type == src1->type) {
+        return false;
+    }
+    const int64_t ne00   = src0->ne[0];
+    const int64_t n_rows = ggml_nrows(src0);
+    if (n_rows == 0) {
+        return true;
+    }
+    const kvc_rows rs = kvc_rows_of(src0);
+    const kvc_rows rd = kvc_rows_of(src1);
+    cudaStream_t stream = ctx.stream();
+
+    if (from_kvc) {
+        const dim3 grid((unsigned) ((ne00 + KVC_THREADS - 1) / KVC_THREADS), (unsigned) std::min<int64_t>(n_rows, 65535));
+        kvc_dispatch(src0->type, [&](auto t) {
+            constexpr ggml_type type = decltype(t)::value;
+            if (src1->type == GGML_TYPE_F16) {
+                k_kvc_cpy_to_float<type, half><<<grid, KVC_THREADS, 0, stream>>>(
+                    (const char *) src0->data, (char *) src1->data, ne00, n_rows, rs, rd);
+            } else {
+                k_kvc_cpy_to_float<type, float><<<grid, KVC_THREADS, 0, stream>>>(
+                    (const char *) src0->data, (char *) src1->data, ne00, n_rows, rs, rd);
+            }
+        });
+    } else {
+        const int64_t nb_row   = ne00 / QK_KVC;
+        const int     n_blocks = (int) ((nb_row*n_rows + KVC_THREADS - 1) / KVC_THREADS);
+        kvc_dispatch(src1->type, [&](auto t) {
+            constexpr ggml_type type = decltype(t)::value;
+            if (src0->type == GGML_TYPE_F16) {
+                k_kvc_cpy_from_float<type, half><<<n_blocks, KVC_THREADS, 0, stream>>>(
+                    (const char *) src0->data, (char *) src1->data, nb_row, n_rows, (int64_t) src0->nb[0], rs, rd);
+            } else {
+                k_kvc_cpy_from_float<type, float><<<n_blocks, KVC_THREADS, 0, stream>>>(
+                    (const char *) src0->data, (char *) src1->data, nb_row, n_rows, (int64_t) src0->nb[0], rs, rd);
+            }
+        });
+    }
+    return true;
+}
+
+bool ggml_cuda_kvc_fattn_vec_applies(const ggml_tensor * dst) {
+    const ggml_tensor * Q = dst->src[0];
+    const ggml_tensor * K = dst->src[1];
+    const ggml_tensor * V = dst->src[2];
+    const int64_t D = Q->ne[0];
+    return kvc_fattn_pair_supported(K->type, V->type) && (D == 64 || D == 128 || D == 256) &&
+           K->ne[0] == D && V->ne[0] == D && Q->type == GGML_TYPE_F32 &&
+           K->nb[0] == ggml_type_size(K->type) && V->nb[0] == ggml_type_size(V->type);
+}
+
+bool ggml_cuda_kvc_flash_attn_ext_vec(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (!ggml_cuda_kvc_fattn_vec_applies(dst)) {
+        return false;
+    }
+    const ggml_tensor * Q     = dst->src[0];
+    const ggml_tensor * K     = dst->src[1];
+    const ggml_tensor * V     = dst->src[2];
+    const ggml_tensor * mask  = dst->src[3];
+    const ggml_tensor * sinks = dst->src[4];
+
+    kvc_fattn_params p = {};
+    p.Q = (const char *) Q->data;
+    p.K = (const char *) K->data;
+    p.V = (const char *) V->data;
+    p.mask  = mask ? (const char *) mask->data : nullptr;
+    p.sinks = sinks ? (const float *) sinks->data : nullptr;
+    p.dst   = (float *) dst->data;
+    p.n_kv = K->ne[1]; p.n_q = Q->ne[1]; p.n_head = Q->ne[2]; p.n_head_k = K->ne[2]; p.n_head_v = V->ne[2];
+    p.n_q3 = Q->ne[3]; p.n_k3 = K->ne[3]; p.n_v3 = V->ne[3];
+    p.mask_ne1 = mask ? mask->ne[1] : 1;
+    p.mask_ne3 = mask ? mask->ne[3] : 1;
+    p.nbq1 = Q->nb[1]; p.nbq2 = Q->nb[2]; p.nbq3 = Q->nb[3];
+    p.nbk1 = K->nb[1]; p.nbk2 = K->nb[2]; p.nbk3 = K->nb[3];
+    p.nbv1 = V->nb[1]; p.nbv2 = V->nb[2]; p.nbv3 = V->nb[3];
+    p.nbm1 = mask ? mask->nb[1] : 0;
+    p.nbm3 = mask ? mask->nb[3] : 0;
+
+    float scale, max_bias, softcap;
+    memcpy(&scale,    (const float *) dst->op_params + 0, sizeof(float));
+    memcpy(&max_bias, (const float *) dst->op_params + 1, sizeof(float));
+    memcpy(&softcap,  (const float *) dst->op_params + 2, sizeof(float));
+    p.scale   = softcap != 0.0f ? scale / softcap : scale;
+    p.softcap = softcap;
+    p.n_head_log2 = 1u << (uint32_t) floorf(log2f((float) p.n_head));
+    p.m0 = max_bias > 0.0f ? powf(2.0f, -max_bias / p.n_head_log2) : 1.0f;
+    p.m1 = max_bias > 0.0f ? powf(2.0f, -(max_bias / 2.0f) / p.n_head_log2) : 1.0f;
+    p.n_chunks = (int) ((p.n_kv + KVC_FA_CHUNK - 1) / KVC_FA_CHUNK);
+
+    const int64_t D = Q->ne[0];
+    ggml_cuda_pool_alloc<float> part(ctx.pool(), (size_t) (p.n_head*p.n_q*p.n_q3*p.n_chunks*(D + 2)));
+    p.part = part.get();
+
+    cudaStream_t stream = ctx.stream();
+    switch (D) {
+        case 64:  return kvc_fattn_vec_dispatch_d<64>(K->type, V->type, p, stream);
+        case 128: return kvc_fattn_vec_dispatch_d<128>(K->type, V->type, p, stream);
+        default:  return kvc_fattn_vec_dispatch_d<256>(K->type, V->type, p, stream);
+    }
+}
+
+int ggml_cuda_kvc_supports_op(const ggml_tensor * op) {
+    const ggml_tensor * src0 = op->src[0];
+    const ggml_tensor * src1 = op->src[1];
+    switch (op->op) {
+        case GGML_OP_SET_ROWS:
+            if (!ggml_cuda_kvc_is_kvc(op->type)) {
+                return -1;
+            }
+            return (src0->type == GGML_TYPE_F32 || src0->type == GGML_TYPE_F16) &&
+                   (src1->type == GGML_TYPE_I32 || src1->type == GGML_TYPE_I64) && op->ne[0] % QK_KVC == 0;
+        case GGML_OP_GET_ROWS:
+            if (!ggml_cuda_kvc_is_kvc(src0->type)) {
+                return -1;
+            }
+            return src1->type == GGML_TYPE_I32 && (op->type == GGML_TYPE_F32 || op->type == GGML_TYPE_F16);
+        case GGML_OP_CPY: {
+            const bool from_kvc = ggml_cuda_kvc_is_kvc(src0->type);
+            const bool to_kvc   = ggml_cuda_kvc_is_kvc(src1->type);
+            if (!from_kvc && !to_kvc) {
+                return -1;
+            }
+            if (src0->type == src1->type) {
+                return ggml_is_contiguous(src0) && ggml_is_contiguous(src1);
+            }
+            const ggml_type other = from_kvc ? src1->type : src0->type;
+            const ggml_tensor * q = from_kvc ? src0 : src1;
+            return (other == GGML_TYPE_F32 || other == GGML_TYPE_F16) && !(from_kvc && to_kvc) &&
+                   src0->ne[0] == src1->ne[0] && src0->ne[0] % QK_KVC == 0 && q->nb[0] == ggml_type_size(q->type) &&
+                   ggml_nrows(src0) == ggml_nrows(src1);
+        }
+        case GGML_OP_MUL_MAT:
+            if (!ggml_cuda_kvc_is_kvc(src0->type)) {
+                return -1;
+            }
+            // cuBLAS on an f16 copy made by the converters above
+            return src1->type == GGML_TYPE_F32 && src0->nb[0] == ggml_type_size(src0->type) && src1->nb[0] == sizeof(float);
+        case GGML_OP_MUL_MAT_ID:
+            return ggml_cuda_kvc_is_kvc(src0->type) ? 0 : -1;
+        default:
+            return -1;
+    }
+}

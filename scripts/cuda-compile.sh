@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The CUDA check that needs no GPU (part of scripts/test.sh): compiles our kernels
+# (cpp/ggml-kvcomp/cuda) and the ggml-cuda files that patch 0011 hooks them into, for sm_80,
+# sm_86, sm_89 and sm_90, with upstream's own flags: a CMake configure of the CUDA backend, then
+# only those objects. Nothing is linked, so only cuBLAS's headers are needed; they come from
+# the nvidia-cublas wheel on PyPI, cached in $KVCOMP_CACHE. Without nvcc it says so and exits 0.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cache=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}
+jobs=${KVCOMP_JOBS:-2}
+archs=${KVCOMP_CUDA_ARCHS:-"80;86;89;90"}
+
+if ! command -v nvcc >/dev/null 2>&1; then
+    echo "cuda-compile: nvcc not found on PATH, so the CUDA sources were not compiled" >&2
+    exit 0
+fi
+
+cublas_pin="nvidia-cublas==13.10.0.20"
+cublas_dir="$cache/cublas-13.10.0.20"
+if [ ! -f "$cublas_dir/nvidia/cu13/include/cublas_v2.h" ]; then
+    mkdir -p "$cache/dl" "$cublas_dir"
+    if ! ls "$cache"/dl/nvidia_cublas-13.10.0.20-*.whl >/dev/null 2>&1; then
+        python3 -m pip download -q --no-deps --only-binary=:all: "$cublas_pin" -d "$cache/dl" >&2
+    fi
+    python3 - "$cublas_dir" "$cache"/dl/nvidia_cublas-13.10.0.20-*.whl <<'EOF'
+import sys, zipfile
+dest, wheel = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(dest, [n for n in z.namelist() if n.startswith("nvidia/cu13/include/")])
+EOF
+fi
+inc="$cublas_dir/nvidia/cu13/include"
+
+sdist=$(python3 "$root/scripts/prepare_upstream.py")
+key=$(basename "$(dirname "$sdist")")
+build="$cache/cuda-compile-${key#upstream-}"
+
+if [ ! -f "$build/build.ninja" ] || ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$root" "$build/CMakeCache.txt"; then
+    rm -rf "$build"
+    # The libraries are never linked here; their paths only satisfy the configure step.
+    cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCOMP_UPSTREAM_DIR="$sdist" \
+        -DKVCOMP_BUILD_TESTS=OFF -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES="$archs" \
+        -DCUDA_cublas_LIBRARY="$cublas_dir/libcublas.so" -DCUDA_cublasLt_LIBRARY="$cublas_dir/libcublasLt.so" \
+        -DCMAKE_CUDA_FLAGS="-I$inc" >"$build.configure.log" 2>&1 || { cat "$build.configure.log" >&2; exit 1; }
+fi
+
+# our kernels and every ggml-cuda file the patch touches
+objects=()
+while read -r obj; do
+    objects+=("$obj")
+done < <(
+    {
+        echo "kvc-cuda.cu.o"
+        sed -n 's|^+++ b/ggml/src/ggml-cuda/\(.*\)$|ggml-cuda.dir/\1.o|p' "$root"/cpp/patches/*.patch
+    } | while read -r suffix; do
+        ninja -C "$build" -t targets all | sed -n "s|^\([^:]*${suffix//./\\.}\): .*|\1|p"
+    done | sort -u
+)
+if [ "${#objects[@]}" -lt 2 ]; then
+    echo "cuda-compile: found no objects to build in $build" >&2
+    exit 1
+fi
+echo "cuda-compile: ${#objects[@]} objects for sm ${archs}" >&2
+ninja -C "$build" -j "$jobs" "${objects[@]}" >&2
+echo "cuda-compile: ok" >&2
