@@ -55,6 +55,7 @@ def summarize(folder: Path) -> dict[str, Any]:
     bench = json.loads(_read(folder / "bench.json") or "[]")
     return {
         "gpu": _read(folder / "gpu.txt").strip(),
+        "model": _read(folder / "model.txt").strip(),
         "backend_test": {"exit": _rc(folder, "backend"), "passed": counts[0] if counts else None,
                          "failed": counts[1] if counts else None},
         "kld": {"exit": _rc(folder, "kld"), "rows": kld},
@@ -67,7 +68,7 @@ def markdown(folder: Path, s: dict[str, Any]) -> str:
     bt = s["backend_test"]
     failures = [line.strip() for line in _read(folder / "backend.log").splitlines() if "[FAIL]" in line]
     parts = [
-        "## GPU check",
+        f"## GPU check, {s['model'] or 'unknown model'}",
         f"GPU: {s['gpu'] or 'unknown'}",
         f"### Backend ops vs CPU (test-kvc-backend)\n\nexit {bt['exit']}: {bt['passed']} passed, {bt['failed']} failed"
         + "".join(f"\n- {f}" for f in failures),

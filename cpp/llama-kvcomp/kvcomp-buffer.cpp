@@ -441,17 +441,22 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     // the ubatch's streams are consecutive, as upstream's views of the main cache assume
     ggml_tensor * sv = ggml_view_4d(ctx0, slots, ne0, ne1, n_slots(), ns,
             ggml_row_size(slots->type, ne0), slots->nb[1], slots->nb[1] * n_rows(), slots->nb[1] * n_rows() * s0);
-    ggml_tensor * exact = ggml_cast(ctx0, sv, GGML_TYPE_F32);
+    // The CPU's dup dequantizes to F32 only. A GPU's copy is F16: half the bytes to write and
+    // read again, and what its flash-attention kernels take without a conversion.
+    const ggml_tensor * cache = main_view->view_src ? main_view->view_src : main_view;
+    const ggml_type type = cache->buffer && !ggml_backend_buffer_is_host(cache->buffer) ? GGML_TYPE_F16 : GGML_TYPE_F32;
+
+    ggml_tensor * exact = ggml_cast(ctx0, sv, type);
     if (cur) {
         const int64_t n_tps = cur->ne[1] / ns;
         ggml_tensor * uv = ggml_view_4d(ctx0, cur, ne0, ne1, n_tps, ns,
                 ggml_row_size(cur->type, ne0), cur->nb[1], cur->nb[1] * n_tps, 0);
-        exact = ggml_concat(ctx0, exact, ggml_cast(ctx0, uv, GGML_TYPE_F32), 2);
+        exact = ggml_concat(ctx0, exact, ggml_cast(ctx0, uv, type), 2);
     }
     written = nullptr;
     cur     = nullptr;
     // the small exact part is joined first, so the main cells are copied once
-    return ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F32), exact, 2);
+    return ggml_concat(ctx0, ggml_cast(ctx0, main_view, type), exact, 2);
 }
 
 void llama_kvcomp_buffer::set_input_slot_idxs(int64_t * dst, const llama_kv_cache::slot_info & sinfo) const {

@@ -240,10 +240,11 @@ constexpr int KVC_THREADS = 256;
 
 // ---- dequantization ----
 
-// y (contiguous) = x viewed as ne00 x ne01 x ne02 x ne03 with byte strides s01, s02, s03.
-template <ggml_type type, typename dst_t>
-__global__ void k_kvc_dequant(const char * __restrict__ x, dst_t * __restrict__ y, int64_t ne00, int64_t ne01, int64_t ne02,
-                              int64_t ne03, int64_t s01, int64_t s02, int64_t s03) {
+// dst row r = the kvc row at rows.src(r), as dst_t, at rows.dst(r) (byte offsets): the one
+// dequantizing kernel behind convert, GET_ROWS and CPY, which differ in their row addressing.
+template <ggml_type type, typename dst_t, typename rows_t>
+__global__ void k_kvc_rows_to_float(const char * __restrict__ src, char * __restrict__ dst, int64_t ne00, int64_t n_rows,
+                                    const rows_t rows) {
     __shared__ float lv[16];
     kvc_load_levels<type>(lv, threadIdx.x, blockDim.x);
     __syncthreads();
@@ -252,17 +253,28 @@ __global__ void k_kvc_dequant(const char * __restrict__ x, dst_t * __restrict__ 
     if (i00 >= ne00) {
         return;
     }
-    const int j = i00 % QK_KVC;
-    for (int64_t i01 = blockIdx.y; i01 < ne01; i01 += gridDim.y) {
-        for (int64_t i0203 = blockIdx.z; i0203 < ne02*ne03; i0203 += gridDim.z) {
-            const int64_t i02 = i0203 % ne02;
-            const int64_t i03 = i0203 / ne02;
-            const uint8_t * b = (const uint8_t *) x + i03*s03 + i02*s02 + i01*s01 + (i00 / QK_KVC)*kvc_block_size<type>;
-            float v;
-            kvc_values<type, 1>(b, j, lv, &v);
-            y[(i0203*ne01 + i01)*ne00 + i00] = ggml_cuda_cast<dst_t>(v);
-        }
+    for (int64_t r = blockIdx.y; r < n_rows; r += gridDim.y) {
+        float v;
+        kvc_values<type, 1>((const uint8_t *) src + rows.src(r) + (i00 / QK_KVC)*kvc_block_size<type>, i00 % QK_KVC, lv, &v);
+        *(dst_t *) (dst + rows.dst(r) + i00*sizeof(dst_t)) = ggml_cuda_cast<dst_t>(v);
     }
+}
+
+// row r of two tensors with the same rows (CPY, and the converters with a contiguous dst)
+struct kvc_rows_pair {
+    kvc_rows s, d;
+    __device__ __forceinline__ int64_t src(int64_t r) const { return s.offset(r); }
+    __device__ __forceinline__ int64_t dst(int64_t r) const { return d.offset(r); }
+};
+
+template <ggml_type type, typename dst_t, typename rows_t>
+void kvc_rows_to_float_cuda(const void * src, void * dst, int64_t ne00, int64_t n_rows, const rows_t & rows,
+                            cudaStream_t stream) {
+    if (ne00 == 0 || n_rows == 0) {
+        return;
+    }
+    const dim3 grid((unsigned) ((ne00 + KVC_THREADS - 1) / KVC_THREADS), (unsigned) std::min<int64_t>(n_rows, 65535));
+    k_kvc_rows_to_float<type, dst_t><<<grid, KVC_THREADS, 0, stream>>>((const char *) src, (char *) dst, ne00, n_rows, rows);
 }
 
 // strides in blocks, as upstream's *_nc converters take them
@@ -270,9 +282,9 @@ template <ggml_type type, typename dst_t>
 void kvc_to_nc_cuda(const void * x, dst_t * y, int64_t ne00, int64_t ne01, int64_t ne02, int64_t ne03,
                     int64_t s01, int64_t s02, int64_t s03, cudaStream_t stream) {
     const int64_t bs = kvc_block_size<type>;
-    const dim3 grid((ne00 + KVC_THREADS - 1) / KVC_THREADS, (unsigned) std::min<int64_t>(ne01, 65535),
-                    (unsigned) std::min<int64_t>(ne02*ne03, 65535));
-    k_kvc_dequant<type><<<grid, KVC_THREADS, 0, stream>>>((const char *) x, y, ne00, ne01, ne02, ne03, s01*bs, s02*bs, s03*bs);
+    const int64_t rs = ne00*(int64_t) sizeof(dst_t);
+    const kvc_rows_pair rows = { { ne01, ne02, s01*bs, s02*bs, s03*bs }, { ne01, ne02, rs, rs*ne01, rs*ne01*ne02 } };
+    kvc_rows_to_float_cuda<type, dst_t>(x, y, ne00, ne01*ne02*ne03, rows, stream);
 }
 
 template <ggml_type type, typename dst_t>
@@ -295,54 +307,41 @@ bool kvc_dispatch(ggml_type type, F && f) {
     }
 }
 
+// The converter of a kvc type for upstream's tables (strided when nc); nullptr for other types.
+template <typename fn_t, typename dst_t, bool nc>
+fn_t kvc_converter(ggml_type type) {
+    fn_t fn = nullptr;
+    kvc_dispatch(type, [&](auto t) {
+        if constexpr (nc) {
+            fn = kvc_to_nc_cuda<decltype(t)::value, dst_t>;
+        } else {
+            fn = kvc_to_cont_cuda<decltype(t)::value, dst_t>;
+        }
+    });
+    return fn;
+}
+
 // GET_ROWS: dst[:, i10, i11, i12] = src0[:, src1[i10, i11, i12], i11, i12]
-template <ggml_type type, typename dst_t>
-__global__ void k_kvc_get_rows(const char * __restrict__ src0, const int32_t * __restrict__ src1, dst_t * __restrict__ dst,
-                               int64_t ne00, int64_t ne11, int64_t nb01, int64_t nb02, int64_t nb03,
-                               int64_t nb10, int64_t nb11, int64_t nb12, int64_t nb1, int64_t nb2, int64_t nb3) {
-    __shared__ float lv[16];
-    kvc_load_levels<type>(lv, threadIdx.x, blockDim.x);
-    __syncthreads();
+struct kvc_rows_gathered {
+    const char * ids;
+    int64_t ne10, ne11;
+    int64_t nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3;
 
-    const int64_t i00 = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
-    if (i00 >= ne00) {
-        return;
+    __device__ __forceinline__ int64_t src(int64_t r) const {
+        const int64_t i10 = r % ne10, i11 = (r / ne10) % ne11, i12 = r / (ne10*ne11);
+        return *(const int32_t *) (ids + i10*nb10 + i11*nb11 + i12*nb12)*nb01 + i11*nb02 + i12*nb03;
     }
-    const int64_t i10 = blockIdx.y;
-    const int64_t i11 = blockIdx.z % ne11;
-    const int64_t i12 = blockIdx.z / ne11;
-    const int32_t r   = *(const int32_t *) ((const char *) src1 + i10*nb10 + i11*nb11 + i12*nb12);
-
-    const uint8_t * b = (const uint8_t *) src0 + r*nb01 + i11*nb02 + i12*nb03 + (i00 / QK_KVC)*kvc_block_size<type>;
-    float v;
-    kvc_values<type, 1>(b, i00 % QK_KVC, lv, &v);
-    *(dst_t *) ((char *) dst + i10*nb1 + i11*nb2 + i12*nb3 + i00*sizeof(dst_t)) = ggml_cuda_cast<dst_t>(v);
-}
-
-// CPY of kvc rows into float rows with the same row length
-template <ggml_type type, typename dst_t>
-__global__ void k_kvc_cpy_to_float(const char * __restrict__ src, char * __restrict__ dst, int64_t ne00, int64_t n_rows,
-                                   kvc_rows rs, kvc_rows rd) {
-    __shared__ float lv[16];
-    kvc_load_levels<type>(lv, threadIdx.x, blockDim.x);
-    __syncthreads();
-
-    const int64_t i00 = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
-    if (i00 >= ne00) {
-        return;
+    __device__ __forceinline__ int64_t dst(int64_t r) const {
+        const int64_t i10 = r % ne10, i11 = (r / ne10) % ne11, i12 = r / (ne10*ne11);
+        return i10*nb1 + i11*nb2 + i12*nb3;
     }
-    for (int64_t r = blockIdx.y; r < n_rows; r += gridDim.y) {
-        const uint8_t * b = (const uint8_t *) src + rs.offset(r) + (i00 / QK_KVC)*kvc_block_size<type>;
-        float v;
-        kvc_values<type, 1>(b, i00 % QK_KVC, lv, &v);
-        *(dst_t *) (dst + rd.offset(r) + i00*sizeof(dst_t)) = ggml_cuda_cast<dst_t>(v);
-    }
-}
+};
 
-// CPY of float rows into kvc rows with the same row length: one thread per block
-template <ggml_type type, typename src_t>
-__global__ void k_kvc_cpy_from_float(const char * __restrict__ src, char * __restrict__ dst, int64_t nb_row, int64_t n_rows,
-                                     int64_t nb00, kvc_rows rs, kvc_rows rd) {
+// kvc row rows.dst(r) = quantized float row rows.src(r) (byte offsets, values nb00 bytes apart):
+// one thread per 32-value block, the kernel behind SET_ROWS and CPY into a kvc tensor.
+template <ggml_type type, typename src_t, typename rows_t>
+__global__ void k_kvc_rows_from_float(const char * __restrict__ src, char * __restrict__ dst, int64_t nb_row, int64_t n_rows,
+                                      int64_t nb00, const rows_t rows) {
     __shared__ float lv[16];
     kvc_load_levels<type>(lv, threadIdx.x, blockDim.x);
     __syncthreads();
@@ -353,43 +352,62 @@ __global__ void k_kvc_cpy_from_float(const char * __restrict__ src, char * __res
     }
     const int64_t r  = i / nb_row;
     const int64_t ib = i % nb_row;
-    const char * x = src + rs.offset(r) + ib*QK_KVC*nb00;
+    const char * x = src + rows.src(r) + ib*QK_KVC*nb00;
     src_t v[QK_KVC];
 #pragma unroll
     for (int k = 0; k < QK_KVC; ++k) {
         v[k] = *(const src_t *) (x + k*nb00);
     }
-    kvc_quantize_block<type>(v, (uint8_t *) dst + rd.offset(r) + ib*kvc_block_size<type>, lv);
+    kvc_quantize_block<type>(v, (uint8_t *) dst + rows.dst(r) + ib*kvc_block_size<type>, lv);
 }
 
-// SET_ROWS: dst[:, src1[i01, i02 % ne11, i03 % ne12], i02, i03] = quantize(src0[:, i01, i02, i03])
-template <ggml_type type, typename src_t, typename idx_t>
-__global__ void k_kvc_set_rows(const char * __restrict__ src0, const char * __restrict__ src1, char * __restrict__ dst,
-                               int64_t nb_row, int64_t ne01, int64_t ne02, int64_t ne03, int64_t ne11, int64_t ne12,
-                               int64_t nb00, int64_t nb01, int64_t nb02, int64_t nb03,
-                               int64_t nb10, int64_t nb11, int64_t nb12, int64_t nb1, int64_t nb2, int64_t nb3) {
-    __shared__ float lv[16];
-    kvc_load_levels<type>(lv, threadIdx.x, blockDim.x);
-    __syncthreads();
+// SET_ROWS: row (i01, i02, i03) of src0 goes to row src1[i01, i02 % ne11, i03 % ne12] of plane (i02, i03)
+template <typename idx_t>
+struct kvc_rows_scattered {
+    const char * ids;
+    int64_t ne01, ne02, ne11, ne12;
+    int64_t nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3;
 
-    const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
-    if (i >= nb_row*ne01*ne02*ne03) {
+    __device__ __forceinline__ int64_t src(int64_t r) const {
+        return (r % ne01)*nb01 + ((r / ne01) % ne02)*nb02 + (r / (ne01*ne02))*nb03;
+    }
+    __device__ __forceinline__ int64_t dst(int64_t r) const {
+        const int64_t i01 = r % ne01, i02 = (r / ne01) % ne02, i03 = r / (ne01*ne02);
+        return (int64_t) *(const idx_t *) (ids + i01*nb10 + (i02 % ne11)*nb11 + (i03 % ne12)*nb12)*nb1 + i02*nb2 + i03*nb3;
+    }
+};
+
+// the kernels above for a kvc type and a float type known at run time
+template <typename rows_t>
+void kvc_rows_to_float(ggml_type type, ggml_type dst_type, const void * src, void * dst, int64_t ne00, int64_t n_rows,
+                       const rows_t & rows, cudaStream_t stream) {
+    kvc_dispatch(type, [&](auto t) {
+        if (dst_type == GGML_TYPE_F16) {
+            kvc_rows_to_float_cuda<decltype(t)::value, half>(src, dst, ne00, n_rows, rows, stream);
+        } else {
+            kvc_rows_to_float_cuda<decltype(t)::value, float>(src, dst, ne00, n_rows, rows, stream);
+        }
+    });
+}
+
+template <typename rows_t>
+void kvc_rows_from_float(ggml_type type, ggml_type src_type, const void * src, void * dst, int64_t ne00, int64_t n_rows,
+                         int64_t nb00, const rows_t & rows, cudaStream_t stream) {
+    const int64_t nb_row = ne00 / QK_KVC;
+    if (nb_row*n_rows == 0) {
         return;
     }
-    const int64_t ib  = i % nb_row;
-    const int64_t i01 = (i / nb_row) % ne01;
-    const int64_t i02 = (i / (nb_row*ne01)) % ne02;
-    const int64_t i03 = i / (nb_row*ne01*ne02);
-
-    const int64_t r = (int64_t) *(const idx_t *) (src1 + i01*nb10 + (i02 % ne11)*nb11 + (i03 % ne12)*nb12);
-
-    const char * x = src0 + i01*nb01 + i02*nb02 + i03*nb03 + ib*QK_KVC*nb00;
-    src_t v[QK_KVC];
-#pragma unroll
-    for (int k = 0; k < QK_KVC; ++k) {
-        v[k] = *(const src_t *) (x + k*nb00);
-    }
-    kvc_quantize_block<type>(v, (uint8_t *) dst + r*nb1 + i02*nb2 + i03*nb3 + ib*kvc_block_size<type>, lv);
+    const int n_blocks = (int) ((nb_row*n_rows + KVC_THREADS - 1) / KVC_THREADS);
+    kvc_dispatch(type, [&](auto t) {
+        constexpr ggml_type tt = decltype(t)::value;
+        if (src_type == GGML_TYPE_F16) {
+            k_kvc_rows_from_float<tt, half><<<n_blocks, KVC_THREADS, 0, stream>>>(
+                (const char *) src, (char *) dst, nb_row, n_rows, nb00, rows);
+        } else {
+            k_kvc_rows_from_float<tt, float><<<n_blocks, KVC_THREADS, 0, stream>>>(
+                (const char *) src, (char *) dst, nb_row, n_rows, nb00, rows);
+        }
+    });
 }
 
 // ---- flash attention, vector kernel ----
@@ -612,27 +630,19 @@ bool kvc_fattn_vec_dispatch_d(ggml_type type_K, ggml_type type_V, const kvc_fatt
 } // namespace
 
 to_fp16_cuda_t ggml_cuda_kvc_get_to_fp16(ggml_type type) {
-    to_fp16_cuda_t fn = nullptr;
-    kvc_dispatch(type, [&](auto t) { fn = kvc_to_cont_cuda<decltype(t)::value, half>; });
-    return fn;
+    return kvc_converter<to_fp16_cuda_t, half, false>(type);
 }
 
 to_fp32_cuda_t ggml_cuda_kvc_get_to_fp32(ggml_type type) {
-    to_fp32_cuda_t fn = nullptr;
-    kvc_dispatch(type, [&](auto t) { fn = kvc_to_cont_cuda<decltype(t)::value, float>; });
-    return fn;
+    return kvc_converter<to_fp32_cuda_t, float, false>(type);
 }
 
 to_fp16_nc_cuda_t ggml_cuda_kvc_get_to_fp16_nc(ggml_type type) {
-    to_fp16_nc_cuda_t fn = nullptr;
-    kvc_dispatch(type, [&](auto t) { fn = kvc_to_nc_cuda<decltype(t)::value, half>; });
-    return fn;
+    return kvc_converter<to_fp16_nc_cuda_t, half, true>(type);
 }
 
 to_fp32_nc_cuda_t ggml_cuda_kvc_get_to_fp32_nc(ggml_type type) {
-    to_fp32_nc_cuda_t fn = nullptr;
-    kvc_dispatch(type, [&](auto t) { fn = kvc_to_nc_cuda<decltype(t)::value, float>; });
-    return fn;
+    return kvc_converter<to_fp32_nc_cuda_t, float, true>(type);
 }
 
 bool ggml_cuda_kvc_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -643,31 +653,19 @@ bool ggml_cuda_kvc_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
     }
     GGML_TENSOR_BINARY_OP_LOCALS
 
-    const int64_t nb_row = ne00 / QK_KVC;
-    const int64_t n      = nb_row*ne01*ne02*ne03;
-    if (n == 0) {
-        return true;
+    auto run = [&](auto idx) {
+        using idx_t = decltype(idx);
+        const kvc_rows_scattered<idx_t> rows = { (const char *) src1->data, ne01, ne02, ne11, ne12,
+            (int64_t) nb01, (int64_t) nb02, (int64_t) nb03, (int64_t) nb10, (int64_t) nb11, (int64_t) nb12,
+            (int64_t) nb1, (int64_t) nb2, (int64_t) nb3 };
+        kvc_rows_from_float(dst->type, src0->type, src0->data, dst->data, ne00, ne01*ne02*ne03, (int64_t) nb00, rows,
+                            ctx.stream());
+    };
+    if (src1->type == GGML_TYPE_I64) {
+        run(int64_t());
+    } else {
+        run(int32_t());
     }
-    const int n_blocks = (int) ((n + KVC_THREADS - 1) / KVC_THREADS);
-    cudaStream_t stream = ctx.stream();
-
-    kvc_dispatch(dst->type, [&](auto t) {
-        constexpr ggml_type type = decltype(t)::value;
-        auto launch = [&](auto src_v, auto idx_v) {
-            using src_t = decltype(src_v);
-            using idx_t = decltype(idx_v);
-            k_kvc_set_rows<type, src_t, idx_t><<<n_blocks, KVC_THREADS, 0, stream>>>(
-                (const char *) src0->data, (const char *) src1->data, (char *) dst->data, nb_row, ne01, ne02, ne03, ne11, ne12,
-                nb00, nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3);
-        };
-        const bool f16 = src0->type == GGML_TYPE_F16;
-        const bool i64 = src1->type == GGML_TYPE_I64;
-        if (f16) {
-            i64 ? launch(half(), int64_t()) : launch(half(), int32_t());
-        } else {
-            i64 ? launch(float(), int64_t()) : launch(float(), int32_t());
-        }
-    });
     return true;
 }
 
@@ -679,21 +677,9 @@ bool ggml_cuda_kvc_get_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
     }
     GGML_TENSOR_BINARY_OP_LOCALS
 
-    if (ne10*ne11*ne12 == 0) {
-        return true;
-    }
-    const dim3 grid((unsigned) ((ne00 + KVC_THREADS - 1) / KVC_THREADS), (unsigned) ne10, (unsigned) (ne11*ne12));
-    cudaStream_t stream = ctx.stream();
-    kvc_dispatch(src0->type, [&](auto t) {
-        constexpr ggml_type type = decltype(t)::value;
-        if (dst->type == GGML_TYPE_F16) {
-            k_kvc_get_rows<type><<<grid, KVC_THREADS, 0, stream>>>((const char *) src0->data, (const int32_t *) src1->data,
-                (half *) dst->data, ne00, ne11, nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3);
-        } else {
-            k_kvc_get_rows<type><<<grid, KVC_THREADS, 0, stream>>>((const char *) src0->data, (const int32_t *) src1->data,
-                (float *) dst->data, ne00, ne11, nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3);
-        }
-    });
+    const kvc_rows_gathered rows = { (const char *) src1->data, ne10, ne11, (int64_t) nb01, (int64_t) nb02, (int64_t) nb03,
+                                     (int64_t) nb10, (int64_t) nb11, (int64_t) nb12, (int64_t) nb1, (int64_t) nb2, (int64_t) nb3 };
+    kvc_rows_to_float(src0->type, dst->type, src0->data, dst->data, ne00, ne10*ne11*ne12, rows, ctx.stream());
     return true;
 }
 
@@ -705,38 +691,12 @@ bool ggml_cuda_kvc_cpy(ggml_backend_cuda_context & ctx, const ggml_tensor * src0
     }
     const int64_t ne00   = src0->ne[0];
     const int64_t n_rows = ggml_nrows(src0);
-    if (n_rows == 0) {
-        return true;
-    }
-    const kvc_rows rs = kvc_rows_of(src0);
-    const kvc_rows rd = kvc_rows_of(src1);
-    cudaStream_t stream = ctx.stream();
-
+    const kvc_rows_pair rows = { kvc_rows_of(src0), kvc_rows_of(src1) };
     if (from_kvc) {
-        const dim3 grid((unsigned) ((ne00 + KVC_THREADS - 1) / KVC_THREADS), (unsigned) std::min<int64_t>(n_rows, 65535));
-        kvc_dispatch(src0->type, [&](auto t) {
-            constexpr ggml_type type = decltype(t)::value;
-            if (src1->type == GGML_TYPE_F16) {
-                k_kvc_cpy_to_float<type, half><<<grid, KVC_THREADS, 0, stream>>>(
-                    (const char *) src0->data, (char *) src1->data, ne00, n_rows, rs, rd);
-            } else {
-                k_kvc_cpy_to_float<type, float><<<grid, KVC_THREADS, 0, stream>>>(
-                    (const char *) src0->data, (char *) src1->data, ne00, n_rows, rs, rd);
-            }
-        });
+        kvc_rows_to_float(src0->type, src1->type, src0->data, src1->data, ne00, n_rows, rows, ctx.stream());
     } else {
-        const int64_t nb_row   = ne00 / QK_KVC;
-        const int     n_blocks = (int) ((nb_row*n_rows + KVC_THREADS - 1) / KVC_THREADS);
-        kvc_dispatch(src1->type, [&](auto t) {
-            constexpr ggml_type type = decltype(t)::value;
-            if (src0->type == GGML_TYPE_F16) {
-                k_kvc_cpy_from_float<type, half><<<n_blocks, KVC_THREADS, 0, stream>>>(
-                    (const char *) src0->data, (char *) src1->data, nb_row, n_rows, (int64_t) src0->nb[0], rs, rd);
-            } else {
-                k_kvc_cpy_from_float<type, float><<<n_blocks, KVC_THREADS, 0, stream>>>(
-                    (const char *) src0->data, (char *) src1->data, nb_row, n_rows, (int64_t) src0->nb[0], rs, rd);
-            }
-        });
+        kvc_rows_from_float(src1->type, src0->type, src0->data, src1->data, ne00, n_rows, (int64_t) src0->nb[0], rows,
+                            ctx.stream());
     }
     return true;
 }
