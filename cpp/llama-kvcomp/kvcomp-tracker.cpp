@@ -376,9 +376,12 @@ void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empt
     resolve();
     if (!tap_cells.empty() && params.tracker) {
         const bool measure_now = n_updates % KVCOMP_RECOMPUTE == 0;
+        // Each read below waits for the device that holds the cache: off the host, the windows
+        // take every KVCOMP_RECOMPUTE-th update only, so the decode steps between need no round trip.
+        const bool on_host = layers.empty() || ggml_backend_buffer_is_host(layers[0].v_main->buffer);
         std::vector<float> rows, vrows;
         std::vector<uint8_t> raw;
-        for (size_t ib = 0; ib < layers.size(); ++ib) {
+        for (size_t ib = 0; ib < layers.size() && (on_host || measure_now); ++ib) {
             layer_state & l = layers[ib];
             const uint32_t n_rows = (uint32_t) tap_cells.size();
             rows.resize((size_t) n_rows * l.n_embd_k);

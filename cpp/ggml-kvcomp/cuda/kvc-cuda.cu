@@ -86,11 +86,16 @@ __device__ __forceinline__ void kvc_values(const uint8_t * b, int j0, const floa
     }
 }
 
-// ---- quantization (one thread per 32-value block, the search of kvc-quants.c) ----
+// ---- quantization: one warp per 32-value block, the search of kvc-quants.c ----
 
+// Non-finite inputs are stored as zero, as the reference does.
 __device__ __forceinline__ float kvc_finite_or_zero(float v) {
     return isfinite(v) ? v : 0.0f;
 }
+//
+// A thread per block made the search (14 steps x 16 values x the levels) the latency of every
+// KV write: the lanes of a warp try the candidate steps side by side instead, and then each
+// lane encodes the value it holds.
 
 template <int n_levels>
 __device__ __forceinline__ int kvc_nearest(const float * lv, float v) {
@@ -102,116 +107,101 @@ __device__ __forceinline__ int kvc_nearest(const float * lv, float v) {
     return c;
 }
 
-template <int n_levels>
-__device__ uint8_t kvc_quantize_sub(const float * v, const float * lv, uint8_t * codes) {
-    float amax = 0.0f;
+// the lowest error over the lanes of a group of `width`, ties to the lower candidate index
+template <int width>
+__device__ __forceinline__ void kvc_argmin(float & err, int & idx) {
 #pragma unroll
-    for (int i = 0; i < QK_KVC_SUB; ++i) {
-        amax = fmaxf(amax, fabsf(v[i]));
-    }
-    if (amax == 0.0f) {
-#pragma unroll
-        for (int i = 0; i < QK_KVC_SUB; ++i) {
-            codes[i] = n_levels / 2;
-        }
-        return 0;
-    }
-
-    const int e_max = min(255, max(1, __float2int_rn(8.0f*log2f(amax / lv[n_levels - 1])) + 160));
-
-    int   best_e   = e_max;
-    float best_err = INFINITY;
-    for (int e = e_max + KVC_SEARCH_UP; e >= e_max - KVC_SEARCH_DOWN; --e) {
-        if (e < 1 || e > 255) {
-            continue;
-        }
-        const float d  = kvc_step((uint8_t) e);
-        const float id = 1.0f / d;
-        float err = 0.0f;
-#pragma unroll
-        for (int i = 0; i < QK_KVC_SUB; ++i) {
-            const float diff = v[i] - d*lv[kvc_nearest<n_levels>(lv, v[i]*id)];
-            err += diff*diff;
-        }
-        if (err < best_err) {
-            best_err = err;
-            best_e   = e;
+    for (int off = width/2; off > 0; off >>= 1) {
+        const float e2 = __shfl_xor_sync(0xffffffff, err, off, width);
+        const int   i2 = __shfl_xor_sync(0xffffffff, idx, off, width);
+        if (e2 < err || (e2 == err && i2 < idx)) {
+            err = e2;
+            idx = i2;
         }
     }
-
-    const float id = 1.0f / kvc_step((uint8_t) best_e);
-#pragma unroll
-    for (int i = 0; i < QK_KVC_SUB; ++i) {
-        codes[i] = (uint8_t) kvc_nearest<n_levels>(lv, v[i]*id);
-    }
-    return (uint8_t) best_e;
 }
 
-template <ggml_type type, typename src_t>
-__device__ void kvc_quantize_block(const src_t * x, uint8_t * y, const float * lv) {
-    float v[QK_KVC];
-#pragma unroll
-    for (int i = 0; i < QK_KVC; ++i) {
-        v[i] = kvc_finite_or_zero(ggml_cuda_cast<float>(x[i]));
-    }
-
+// v: the block's 32 values (finite), lane: this thread's lane; writes block y.
+template <ggml_type type>
+__device__ void kvc_quantize_block_warp(const float * v, uint8_t * y, const float * lv, int lane) {
     if constexpr (type == GGML_TYPE_KVC8) {
         float amax = 0.0f;
 #pragma unroll
         for (int i = 0; i < QK_KVC; ++i) {
             amax = fmaxf(amax, fabsf(v[i]));
         }
-        half  best_d   = __float2half(amax / 127.0f);
-        float best_err = INFINITY;
-        for (int s = 0; s < 8 && amax > 0.0f; ++s) {
-            const half  dh = __float2half(amax / 127.0f * (1.0f - 0.03f*s));
-            const float d  = __half2float(dh);
-            if (d == 0.0f) {
-                continue;
-            }
+        // candidate s = lane (8 of them) of the reference's absmax-relative steps
+        const half dh = __float2half(amax / 127.0f * (1.0f - 0.03f*lane));
+        const float d = __half2float(dh);
+        float err = INFINITY;
+        if (lane < 8 && amax > 0.0f && d != 0.0f) {
             const float id = 1.0f / d;
-            float err = 0.0f;
+            err = 0.0f;
 #pragma unroll
             for (int i = 0; i < QK_KVC; ++i) {
                 const float diff = v[i] - d*(float) min(127, max(-127, __float2int_rn(v[i]*id)));
                 err += diff*diff;
             }
-            if (err < best_err) {
-                best_err = err;
-                best_d   = dh;
-            }
         }
-        const float d  = __half2float(best_d);
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        *(half *) y = best_d;
-#pragma unroll
-        for (int i = 0; i < QK_KVC; ++i) {
-            y[2 + i] = (uint8_t) (int8_t) min(127, max(-127, __float2int_rn(v[i]*id)));
+        int best = lane;
+        kvc_argmin<WARP_SIZE>(err, best);
+        const half  picked = __shfl_sync(0xffffffff, dh, best);
+        const half  bd = err == INFINITY ? __float2half(amax / 127.0f) : picked;
+        const float bf = __half2float(bd);
+        const float id = bf != 0.0f ? 1.0f / bf : 0.0f;
+        if (lane == 0) {
+            *(half *) y = bd;
         }
+        y[2 + lane] = (uint8_t) (int8_t) min(127, max(-127, __float2int_rn(v[lane]*id)));
     } else {
         constexpr int n = kvc_traits<type>::n_levels;
-        uint8_t codes[QK_KVC];
-        y[0] = kvc_quantize_sub<n>(v,              lv, codes);
-        y[1] = kvc_quantize_sub<n>(v + QK_KVC_SUB, lv, codes + QK_KVC_SUB);
-        if constexpr (type == GGML_TYPE_KVC4) {
+        const int sb = lane / QK_KVC_SUB; // this lane's sub-block
+        const int ci = lane % QK_KVC_SUB; // its candidate step, and the value it encodes
+        const float * vs = v + sb*QK_KVC_SUB;
+
+        float amax = 0.0f;
 #pragma unroll
-            for (int j = 0; j < QK_KVC/2; ++j) {
-                y[2 + j] = (uint8_t) (codes[j] | codes[j + QK_KVC/2] << 4);
+        for (int i = 0; i < QK_KVC_SUB; ++i) {
+            amax = fmaxf(amax, fabsf(vs[i]));
+        }
+        // the shuffles below need every lane, so a zero sub-block searches nothing but still joins
+        const int e_max = amax > 0.0f ? min(255, max(1, __float2int_rn(8.0f*log2f(amax / lv[n - 1])) + 160)) : 0;
+        const int e_try = e_max + KVC_SEARCH_UP - ci;
+        float err = INFINITY;
+        if (amax > 0.0f && ci <= KVC_SEARCH_UP + KVC_SEARCH_DOWN && e_try >= 1 && e_try <= 255) {
+            const float d  = kvc_step((uint8_t) e_try);
+            const float id = 1.0f / d;
+            err = 0.0f;
+#pragma unroll
+            for (int i = 0; i < QK_KVC_SUB; ++i) {
+                const float diff = vs[i] - d*lv[kvc_nearest<n>(lv, vs[i]*id)];
+                err += diff*diff;
+            }
+        }
+        int best = ci;
+        kvc_argmin<QK_KVC_SUB>(err, best);
+        const int e    = amax > 0.0f ? e_max + KVC_SEARCH_UP - best : 0;
+        const int code = e ? kvc_nearest<n>(lv, vs[ci]*(1.0f / kvc_step((uint8_t) e))) : n / 2;
+        if (ci == 0) {
+            y[sb] = (uint8_t) e;
+        }
+        // lane i holds the code of value i; gather each byte's codes from their lanes
+        if constexpr (type == GGML_TYPE_KVC4) {
+            const int hi = __shfl_down_sync(0xffffffff, code, QK_KVC_SUB);
+            if (lane < QK_KVC_SUB) {
+                y[2 + lane] = (uint8_t) (code | hi << 4);
             }
         } else {
-#pragma unroll
-            for (int j = 0; j < QK_KVC/4; ++j) {
-                y[2 + j] = (uint8_t) ((codes[j] & 3) | (codes[j + 8] & 3) << 2 | (codes[j + 16] & 3) << 4 | (codes[j + 24] & 3) << 6);
+            const int c1 = __shfl_down_sync(0xffffffff, code, 8);
+            const int c2 = __shfl_down_sync(0xffffffff, code, 16);
+            const int c3 = __shfl_down_sync(0xffffffff, code, 24);
+            if (lane < 8) {
+                y[2 + lane] = (uint8_t) ((code & 3) | (c1 & 3) << 2 | (c2 & 3) << 4 | (c3 & 3) << 6);
             }
             if constexpr (type == GGML_TYPE_KVC3) {
-#pragma unroll
-                for (int g = 0; g < QK_KVC/8; ++g) {
-                    uint8_t h = 0;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        h |= (uint8_t) (((codes[8*g + i] >> 2) & 1) << i);
-                    }
-                    y[10 + g] = h;
+                const uint32_t bits = __ballot_sync(0xffffffff, (code >> 2) & 1);
+                if (lane < 4) {
+                    y[10 + lane] = (uint8_t) (bits >> (8*lane));
                 }
             }
         }
@@ -232,7 +222,7 @@ struct kvc_rows {
     }
 };
 
-kvc_rows kvc_rows_of(const ggml_tensor * t) {
+static kvc_rows kvc_rows_of(const ggml_tensor * t) {
     return { t->ne[1], t->ne[2], (int64_t) t->nb[1], (int64_t) t->nb[2], (int64_t) t->nb[3] };
 }
 
@@ -338,27 +328,26 @@ struct kvc_rows_gathered {
 };
 
 // kvc row rows.dst(r) = quantized float row rows.src(r) (byte offsets, values nb00 bytes apart):
-// one thread per 32-value block, the kernel behind SET_ROWS and CPY into a kvc tensor.
+// one warp per 32-value block, the kernel behind SET_ROWS and CPY into a kvc tensor.
 template <ggml_type type, typename src_t, typename rows_t>
 __global__ void k_kvc_rows_from_float(const char * __restrict__ src, char * __restrict__ dst, int64_t nb_row, int64_t n_rows,
                                       int64_t nb00, const rows_t rows) {
     __shared__ float lv[16];
+    __shared__ float vals[KVC_THREADS];
     kvc_load_levels<type>(lv, threadIdx.x, blockDim.x);
-    __syncthreads();
 
-    const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
-    if (i >= nb_row*n_rows) {
+    const int     lane = threadIdx.x % WARP_SIZE;
+    const int64_t i    = ((int64_t) blockIdx.x*blockDim.x + threadIdx.x) / WARP_SIZE;
+    float * v = vals + (threadIdx.x / WARP_SIZE)*QK_KVC;
+    const bool active = i < nb_row*n_rows;
+    const int64_t r  = active ? i / nb_row : 0;
+    const int64_t ib = active ? i % nb_row : 0;
+    v[lane] = active ? kvc_finite_or_zero(ggml_cuda_cast<float>(*(const src_t *) (src + rows.src(r) + (ib*QK_KVC + lane)*nb00))) : 0.0f;
+    __syncthreads();
+    if (!active) {
         return;
     }
-    const int64_t r  = i / nb_row;
-    const int64_t ib = i % nb_row;
-    const char * x = src + rows.src(r) + ib*QK_KVC*nb00;
-    src_t v[QK_KVC];
-#pragma unroll
-    for (int k = 0; k < QK_KVC; ++k) {
-        v[k] = *(const src_t *) (x + k*nb00);
-    }
-    kvc_quantize_block<type>(v, (uint8_t *) dst + rows.dst(r) + ib*kvc_block_size<type>, lv);
+    kvc_quantize_block_warp<type>(v, (uint8_t *) dst + rows.dst(r) + ib*kvc_block_size<type>, lv, lane);
 }
 
 // SET_ROWS: row (i01, i02, i03) of src0 goes to row src1[i01, i02 % ne11, i03 % ne12] of plane (i02, i03)
@@ -397,7 +386,8 @@ void kvc_rows_from_float(ggml_type type, ggml_type src_type, const void * src, v
     if (nb_row*n_rows == 0) {
         return;
     }
-    const int n_blocks = (int) ((nb_row*n_rows + KVC_THREADS - 1) / KVC_THREADS);
+    const int64_t per_cta = KVC_THREADS / WARP_SIZE;
+    const int n_blocks = (int) ((nb_row*n_rows + per_cta - 1) / per_cta);
     kvc_dispatch(type, [&](auto t) {
         constexpr ggml_type tt = decltype(t)::value;
         if (src_type == GGML_TYPE_F16) {
@@ -436,6 +426,36 @@ __device__ __forceinline__ int64_t kvc_fattn_part_stride() {
     return D + 2;
 }
 
+// q . row for one kvc row of D values (q in shared memory: every thread reads the same q value
+// at the same time, a broadcast)
+template <ggml_type type, int D>
+__device__ __forceinline__ float kvc_dot_row(const uint8_t * row, const float * q, const float * lv) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int ib = 0; ib < D/QK_KVC; ++ib) {
+        const uint8_t * b  = row + ib*kvc_block_size<type>;
+        const float   * qb = q + ib*QK_KVC;
+        if constexpr (type == GGML_TYPE_KVC8) {
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < QK_KVC; ++j) {
+                s += qb[j]*(float) (int8_t) b[2 + j];
+            }
+            sum += __half2float(*(const half *) b)*s;
+        } else {
+            float s0 = 0.0f;
+            float s1 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < QK_KVC_SUB; ++j) {
+                s0 += qb[j]*lv[kvc_code<type>(b, j)];
+                s1 += qb[j + QK_KVC_SUB]*lv[kvc_code<type>(b, j + QK_KVC_SUB)];
+            }
+            sum += kvc_step(b[0])*s0 + kvc_step(b[1])*s1;
+        }
+    }
+    return sum;
+}
+
 template <int D, ggml_type type_K, ggml_type type_V>
 __global__ void __launch_bounds__(KVC_FA_WARPS*WARP_SIZE) k_kvc_fattn_vec(const kvc_fattn_params p) {
     constexpr int EPL = D / WARP_SIZE; // values per lane
@@ -443,6 +463,7 @@ __global__ void __launch_bounds__(KVC_FA_WARPS*WARP_SIZE) k_kvc_fattn_vec(const 
 
     __shared__ float lv_k[16];
     __shared__ float lv_v[16];
+    __shared__ float q_s[D];
     __shared__ float s[KVC_FA_CHUNK];
     __shared__ float red[KVC_FA_WARPS][D];
     __shared__ float red_max[KVC_FA_WARPS];
@@ -475,43 +496,32 @@ __global__ void __launch_bounds__(KVC_FA_WARPS*WARP_SIZE) k_kvc_fattn_vec(const 
     }
 
     const int j0 = (lane*EPL) % QK_KVC;
-    const int64_t kb = (lane*EPL) / QK_KVC; // block of this lane's values in a row
+    const int64_t kb = (lane*EPL) / QK_KVC; // block of this lane's V values in a row
 
-    float q[EPL];
-    {
-        const float * qrow = (const float *) (p.Q + iq1*p.nbq1 + h*p.nbq2 + iq3*p.nbq3);
-#pragma unroll
-        for (int i = 0; i < EPL; ++i) {
-            q[i] = qrow[lane*EPL + i] * p.scale;
-        }
+    const float * qrow = (const float *) (p.Q + iq1*p.nbq1 + h*p.nbq2 + iq3*p.nbq3);
+    for (int i = tid; i < D; i += blockDim.x) {
+        q_s[i] = qrow[i] * p.scale;
     }
     __syncthreads();
 
-    float warp_max = -INFINITY;
-    for (int64_t c = c0 + warp; c < c1; c += KVC_FA_WARPS) {
+    // scores: a thread per cell, so no reduction per cell
+    float tmax = -INFINITY;
+    for (int64_t c = c0 + tid; c < c1; c += blockDim.x) {
         const float mv = mrow ? slope*__half2float(mrow[c]) : 0.0f;
         float sc = -INFINITY;
         if (mv != -INFINITY) {
-            float k[EPL];
-            kvc_values<type_K, EPL>((const uint8_t *) Kh + c*p.nbk1 + kb*kvc_block_size<type_K>, j0, lv_k, k);
-            float dot = 0.0f;
-#pragma unroll
-            for (int i = 0; i < EPL; ++i) {
-                dot += q[i]*k[i];
-            }
-            dot = warp_reduce_sum(dot);
+            float dot = kvc_dot_row<type_K, D>((const uint8_t *) Kh + c*p.nbk1, q_s, lv_k);
             if (p.softcap != 0.0f) {
                 dot = p.softcap*tanhf(dot);
             }
             sc = dot + mv;
         }
-        if (lane == 0) {
-            s[c - c0] = sc;
-        }
-        warp_max = fmaxf(warp_max, sc);
+        s[c - c0] = sc;
+        tmax = fmaxf(tmax, sc);
     }
+    tmax = warp_reduce_max(tmax);
     if (lane == 0) {
-        red_max[warp] = warp_max;
+        red_max[warp] = tmax;
     }
     __syncthreads();
 
@@ -607,7 +617,7 @@ constexpr bool kvc_fattn_pair(ggml_type type_K, ggml_type type_V) {
     return type_K <= type_V;
 }
 
-bool kvc_fattn_pair_supported(ggml_type type_K, ggml_type type_V) {
+static bool kvc_fattn_pair_supported(ggml_type type_K, ggml_type type_V) {
     return ggml_cuda_kvc_is_kvc(type_K) && ggml_cuda_kvc_is_kvc(type_V) && kvc_fattn_pair(type_K, type_V);
 }
 
