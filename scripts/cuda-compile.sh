@@ -16,21 +16,10 @@ if ! command -v nvcc >/dev/null 2>&1; then
     exit 0
 fi
 
-cublas_pin="nvidia-cublas==13.10.0.20"
-cublas_dir="$cache/cublas-13.10.0.20"
-if [ ! -f "$cublas_dir/nvidia/cu13/include/cublas_v2.h" ]; then
-    mkdir -p "$cache/dl" "$cublas_dir"
-    if ! ls "$cache"/dl/nvidia_cublas-13.10.0.20-*.whl >/dev/null 2>&1; then
-        python3 -m pip download -q --no-deps --only-binary=:all: "$cublas_pin" -d "$cache/dl" >&2
-    fi
-    python3 - "$cublas_dir" "$cache"/dl/nvidia_cublas-13.10.0.20-*.whl <<'EOF'
-import sys, zipfile
-dest, wheel = sys.argv[1], sys.argv[2]
-with zipfile.ZipFile(wheel) as z:
-    z.extractall(dest, [n for n in z.namelist() if n.startswith("nvidia/cu13/include/")])
-EOF
-fi
-inc="$cublas_dir/nvidia/cu13/include"
+# shellcheck source=scripts/cuda-env.sh
+source "$root/scripts/cuda-env.sh"
+inc=$(kvcomp_cublas include)
+cublas_dir=$(dirname "$inc")
 
 sdist=$(python3 "$root/scripts/prepare_upstream.py")
 key=$(basename "$(dirname "$sdist")")

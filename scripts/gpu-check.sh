@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared check on a machine with an NVIDIA GPU (sm_90: H100, H200), sized for 10 minutes
 # on 16 cores:
-#   1. configure the CUDA backend for sm_90 only and build only what the checks run (skipped
-#      with --bin DIR: a bin/ folder of such a build made elsewhere);
+#   1. build the CUDA backend for sm_90 only, and only what the checks run (scripts/cuda-build.sh;
+#      skipped with --bin DIR: the bin/ folder of such a build made elsewhere);
 #   2. test-kvc-backend: every kvc op, type, head size and K/V pair on the GPU against the CPU
 #      backend, with the NMSE bounds of the CPU tests;
 #   3. kvcomp kld with every layer on the GPU: f16, q8_0, q4_0, the kvc types and the modes;
@@ -38,13 +38,7 @@ t0=$(date +%s)
 stamp() { echo "gpu-check: $(( $(date +%s) - t0 )) s: $*" >&2; }
 
 if [ -z "$bin" ]; then
-    build="${KVCOMP_CACHE:-$HOME/.cache/kvcomp}/build-cuda-sm90"
-    sdist=$(python3 "$root/scripts/prepare_upstream.py") || exit 1
-    cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCOMP_UPSTREAM_DIR="$sdist" \
-        -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
-    cmake --build "$build" -j "$(nproc)" --target llama-perplexity llama-bench test-kvc-backend \
-        >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
-    bin="$build/bin"
+    bin=$("$root/scripts/cuda-build.sh" 90 2>"$out/build.log") || { tail -30 "$out/build.log"; exit 1; }
     stamp "built"
 fi
 
