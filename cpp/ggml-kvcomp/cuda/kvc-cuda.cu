@@ -87,15 +87,15 @@ __device__ __forceinline__ void kvc_values(const uint8_t * b, int j0, const floa
 }
 
 // ---- quantization: one warp per 32-value block, the search of kvc-quants.c ----
+//
+// A thread per block made the search (14 steps x 16 values x the levels) the latency of every
+// KV write: the lanes of a warp try the candidate steps side by side instead, and then each
+// lane encodes the value it holds.
 
 // Non-finite inputs are stored as zero, as the reference does.
 __device__ __forceinline__ float kvc_finite_or_zero(float v) {
     return isfinite(v) ? v : 0.0f;
 }
-//
-// A thread per block made the search (14 steps x 16 values x the levels) the latency of every
-// KV write: the lanes of a warp try the candidate steps side by side instead, and then each
-// lane encodes the value it holds.
 
 template <int n_levels>
 __device__ __forceinline__ int kvc_nearest(const float * lv, float v) {
@@ -402,10 +402,11 @@ void kvc_rows_from_float(ggml_type type, ggml_type src_type, const void * src, v
 
 // ---- flash attention, vector kernel ----
 //
-// One thread block per (chunk of KVC_FA_CHUNK cells, Q head, Q column): warps take cells in
-// turn, each lane holds D/32 consecutive values of the row, so K and V are read as packed blocks
-// and never copied. Each block leaves a partial softmax (max, sum, weighted V) and
-// k_kvc_fattn_combine merges the chunks, with the attention sink when there is one.
+// One thread block per (chunk of KVC_FA_CHUNK cells, Q head, Q column). Scores: a thread per
+// cell dots Q with its whole K row. Values: warps take cells in turn, each lane holding D/32
+// consecutive values of the V row. K and V are read as packed blocks and never copied. Each
+// block leaves a partial softmax (max, sum, weighted V) and k_kvc_fattn_combine merges the
+// chunks, with the attention sink when there is one.
 
 constexpr int KVC_FA_WARPS = 4;
 constexpr int KVC_FA_CHUNK = 256;
