@@ -189,21 +189,26 @@ void test_rows_and_copies(tester & t) {
             return ggml_get_rows(ctx, src, rows);
         }, 1e-12);
         for (ggml_type ft : { GGML_TYPE_F32, GGML_TYPE_F16 }) {
+            // via_f32: the CPU's reference, which converts quantized data to and from F32 only
+            auto from_kvc = [&](bool via_f32) {
+                return build_fn([&, via_f32](ggml_context * ctx) {
+                    ggml_tensor * k = cache_view(ctx, type, 64, 100, 3);
+                    return via_f32 ? ggml_cast(ctx, ggml_cast(ctx, k, GGML_TYPE_F32), ft)
+                                   : ggml_cpy(ctx, k, ggml_new_tensor_3d(ctx, ft, 64, 100, 3));
+                });
+            };
+            auto to_kvc = [&](bool via_f32) {
+                return build_fn([&, via_f32](ggml_context * ctx) {
+                    ggml_tensor * src = ggml_new_tensor_2d(ctx, ft, 128, 33);
+                    return ggml_cpy(ctx, via_f32 ? ggml_cast(ctx, src, GGML_TYPE_F32) : src,
+                                    ggml_new_tensor_2d(ctx, type, 128, 33));
+                });
+            };
             const bool f16 = ft == GGML_TYPE_F16;
-            t.compare(std::string("CPY ") + tn + " K view->" + ggml_type_name(ft), [&](ggml_context * ctx) {
-                ggml_tensor * k = cache_view(ctx, type, 64, 100, 3);
-                return ggml_cpy(ctx, k, ggml_new_tensor_3d(ctx, ft, 64, 100, 3));
-            }, f16 ? 1e-6 : 1e-12, !f16 ? nullptr : build_fn([&](ggml_context * ctx) {
-                ggml_tensor * k = cache_view(ctx, type, 64, 100, 3);
-                return ggml_cast(ctx, ggml_cast(ctx, k, GGML_TYPE_F32), GGML_TYPE_F16);
-            }));
-            t.compare(std::string("CPY ") + ggml_type_name(ft) + "->" + tn, [&](ggml_context * ctx) {
-                ggml_tensor * src = ggml_new_tensor_2d(ctx, ft, 128, 33);
-                return ggml_cpy(ctx, src, ggml_new_tensor_2d(ctx, type, 128, 33));
-            }, 1e-3, !f16 ? nullptr : build_fn([&](ggml_context * ctx) {
-                ggml_tensor * src = ggml_new_tensor_2d(ctx, ft, 128, 33);
-                return ggml_cpy(ctx, ggml_cast(ctx, src, GGML_TYPE_F32), ggml_new_tensor_2d(ctx, type, 128, 33));
-            }));
+            t.compare(std::string("CPY ") + tn + " K view->" + ggml_type_name(ft), from_kvc(false), f16 ? 1e-6 : 1e-12,
+                      f16 ? from_kvc(true) : nullptr);
+            t.compare(std::string("CPY ") + ggml_type_name(ft) + "->" + tn, to_kvc(false), 1e-3,
+                      f16 ? to_kvc(true) : nullptr);
         }
         // The CPU multiplies kvc rows with Q rounded to q8_0; the reference takes the exact
         // product with the dequantized rows, which the GPU approaches with f16 operands.
