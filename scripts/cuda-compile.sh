@@ -25,7 +25,7 @@ sdist=$(python3 "$root/scripts/prepare_upstream.py")
 key=$(basename "$(dirname "$sdist")")
 build="$cache/cuda-compile-${key#upstream-}"
 
-if [ ! -f "$build/build.ninja" ] || ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$root" "$build/CMakeCache.txt"; then
+if kvcomp_stale_build "$build" "$root"; then
     rm -rf "$build"
     # The libraries are never linked here; their paths only satisfy the configure step.
     cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCOMP_UPSTREAM_DIR="$sdist" \
@@ -35,6 +35,7 @@ if [ ! -f "$build/build.ninja" ] || ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$r
 fi
 
 # our kernels and every ggml-cuda file the patch touches
+targets=$(ninja -C "$build" -t targets all)
 objects=()
 while read -r obj; do
     objects+=("$obj")
@@ -43,7 +44,7 @@ done < <(
         echo "kvc-cuda.cu.o"
         sed -n 's|^+++ b/ggml/src/ggml-cuda/\(.*\)$|ggml-cuda.dir/\1.o|p' "$root"/cpp/patches/*.patch
     } | while read -r suffix; do
-        ninja -C "$build" -t targets all | sed -n "s|^\([^:]*${suffix//./\\.}\): .*|\1|p"
+        sed -n "s|^\([^:]*${suffix//./\\.}\): .*|\1|p" <<<"$targets"
     done | sort -u
 )
 if [ "${#objects[@]}" -lt 2 ]; then

@@ -1,5 +1,5 @@
 # Sourced by the CUDA scripts: cuBLAS from the nvidia-cublas wheel on PyPI, for machines whose
-# CUDA toolkit has no cuBLAS (the CI machine has nvcc only). Needs $cache.
+# CUDA toolkit has no cuBLAS (the CI machine has nvcc only), and the configure check. Needs $cache.
 #   kvcomp_cublas include   -> prints a folder holding cublas_v2.h
 #   kvcomp_cublas lib       -> prints a folder holding libcublas.so.13 and libcublasLt.so.13
 kvcomp_cublas_pin="nvidia-cublas==13.10.0.20"
@@ -22,4 +22,9 @@ with zipfile.ZipFile(wheel) as z:
 PY
     fi
     echo "$dir/nvidia/cu13/$part"
+}
+
+# kvcomp_stale_build BUILD ROOT: true when BUILD is not a configured build of the clone at ROOT
+kvcomp_stale_build() {
+    [ ! -f "$1/build.ninja" ] || ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$2" "$1/CMakeCache.txt"
 }
