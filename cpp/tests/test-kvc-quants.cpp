@@ -6,11 +6,13 @@
 // - NaN/Inf inputs: the output stays finite, other blocks are bit-identical to a clean row
 // - vec_dot: the SIMD path equals the scalar reference, and both equal the float dot
 //   product of the dequantized operands
+// - row dequantization: the CPU's SIMD path equals the scalar reference bit for bit
 
 #include "kvc-test-util.h"
 #include "kvc-cpu.h"
 #include "ggml-cpu.h"
 
+#include <algorithm>
 #include <cstring>
 
 using namespace kvc_test;
@@ -145,6 +147,20 @@ void test_vec_dot(report & rep, ggml_type type, ggml_vec_dot_t generic) {
     rep.check(max_ref  <= 1e-5, "%s vec_dot scalar vs float dot of dequantized rows: max rel diff %.2e <= 1e-5", ggml_type_name(type), max_ref);
 }
 
+void test_cpu_to_float(report & rep, ggml_type type) {
+    auto x = make_rows(dist::student_t3, 64, N, 77);
+    std::fill(x.begin() + 3 * N, x.begin() + 3 * N + 32, 0.0f);
+    std::vector<uint8_t> q(ggml_row_size(type, N) * 64);
+    ggml_get_type_traits_cpu(type)->from_float(x.data(), q.data(), (int64_t) x.size());
+
+    std::vector<float> ref(x.size());
+    std::vector<float> simd(x.size(), -1.0f);
+    ggml_get_type_traits(type)->to_float(q.data(), ref.data(), (int64_t) x.size());
+    ggml_kvc_cpu_get_to_float(type)(q.data(), simd.data(), (int64_t) x.size());
+    rep.check(std::memcmp(ref.data(), simd.data(), ref.size() * sizeof(float)) == 0,
+        "%s CPU row dequantization equals the scalar reference bit for bit", ggml_type_name(type));
+}
+
 } // namespace
 
 int main() {
@@ -162,7 +178,10 @@ int main() {
         test_zero_rows(rep, t);
         test_non_finite(rep, t);
         test_vec_dot(rep, t, generic[i]);
+        test_cpu_to_float(rep, t);
     }
+    rep.check(ggml_kvc_cpu_get_to_float(GGML_TYPE_Q4_0) == ggml_get_type_traits(GGML_TYPE_Q4_0)->to_float,
+        "other types keep upstream's row dequantization");
 
     rep.check(ggml_kvcomp_type_from_name("kvc4") == GGML_TYPE_KVC4, "type_from_name(kvc4)");
     rep.check(ggml_kvcomp_type_from_name("kvc5") == GGML_TYPE_COUNT, "type_from_name(kvc5) is unknown");
