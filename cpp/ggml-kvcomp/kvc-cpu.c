@@ -303,7 +303,7 @@ bool ggml_kvc_cpu_fa_decode_chunk(const struct ggml_tensor * dst, int64_t ic0, i
     const int64_t DV = v->ne[0];
     const int64_t n_head    = q->ne[2];
     const int64_t n_head_kv = k->ne[2];
-    if (k_levels == NULL || !ggml_kvc_cpu_fa_split_kv(k->type, v->type) || max_bias != 0.0f ||
+    if (!ggml_kvc_cpu_fa_split_kv(k->type, v->type) || max_bias != 0.0f ||
         q->type != GGML_TYPE_F32 || q->ne[1] != 1 || q->ne[3] != 1 || k->ne[3] != 1 || v->ne[3] != 1 ||
         v->ne[2] != n_head_kv || n_head % n_head_kv != 0 || n_head / n_head_kv > KVC_FA_MAX_GROUP ||
         DK > KVC_FA_MAX_D || DV > KVC_FA_MAX_D || (mask && mask->type != GGML_TYPE_F16)) {
@@ -319,6 +319,7 @@ bool ggml_kvc_cpu_fa_decode_chunk(const struct ggml_tensor * dst, int64_t ic0, i
     const bool shared_mask = !mask || mask->ne[2] == 1;
 
     block_q8_0 qy[KVC_FA_MAX_GROUP][KVC_FA_MAX_D / QK8_0];
+    float      qd[KVC_FA_MAX_GROUP][KVC_FA_MAX_D / QK8_0]; // qy's block scales as float
     float      acc[KVC_FA_MAX_GROUP][KVC_FA_MAX_D];
     float      sc[KVC_FA_MAX_GROUP][KVC_FA_TILE];
     float      M[KVC_FA_MAX_GROUP], S[KVC_FA_MAX_GROUP];
@@ -331,6 +332,9 @@ bool ggml_kvc_cpu_fa_decode_chunk(const struct ggml_tensor * dst, int64_t ic0, i
         for (int64_t g = 0; g < G; ++g) {
             const int64_t h = hk * G + g;
             quantize_row_q8_0((const float *) ((const char *) q->data + h * q->nb[2]), qy[g], DK);
+            for (int64_t ib = 0; ib < nbk; ++ib) {
+                qd[g][ib] = GGML_CPU_FP16_TO_FP32(qy[g][ib].d);
+            }
             mp[g] = mask ? (const ggml_fp16_t *) ((const char *) mask->data + (h % mask->ne[2]) * mask->nb[2]) : NULL;
             memset(acc[g], 0, DV * sizeof(float));
             M[g] = -INFINITY;
@@ -366,7 +370,7 @@ bool ggml_kvc_cpu_fa_decode_chunk(const struct ggml_tensor * dst, int64_t ic0, i
                     __m256 a = _mm256_setzero_ps();
                     for (int64_t ib = 0; ib < nbk; ++ib) {
                         const __m256i p = kvc_dot_i8_groups(lv[ib], _mm256_loadu_si256((const __m256i *) qy[g][ib].qs));
-                        const __m256  d = _mm256_mul_ps(kd[ib], _mm256_set1_ps(GGML_CPU_FP16_TO_FP32(qy[g][ib].d)));
+                        const __m256  d = _mm256_mul_ps(kd[ib], _mm256_set1_ps(qd[g][ib]));
                         a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, a);
                     }
                     float s = kvc_hsum_f32_8(a) * scale;

@@ -1,6 +1,7 @@
 // Backend-ops style tests of the kvc types on the CPU backend: SET_ROWS, GET_ROWS, CPY,
 // MUL_MAT (K with flash attention off) and FLASH_ATTN_EXT with kvc K and V, head sizes
-// 64/128/256, for prompt-like batches and for single-token decode (split over cell ranges). Each op is compared with
+// 64/128/256, for prompt-like batches and for single-token decode (split over cell ranges).
+// Each op is compared with
 //  - the reference kernels (quantize_row_*_ref / dequantize_row_*): bit-exact bytes for
 //    writes, float-exact values for reads, NMSE <= 1e-5 for attention on dequantized K/V;
 //  - an f32 computation on the unquantized inputs under a per-type NMSE bound.
@@ -19,14 +20,15 @@ namespace {
 const ggml_type TYPES[]    = { GGML_TYPE_KVC8, GGML_TYPE_KVC4, GGML_TYPE_KVC3, GGML_TYPE_KVC2 };
 const int       HEAD_DIM[] = { 64, 128, 256 };
 
-// Attention output NMSE against f32 K/V (rotation-free Gaussian data), ~25% above the worst
-// shape measured (kvc3 6.6e-2 and kvc2 1.96e-1 in the decode shape).
-double fa_bound(ggml_type t) {
+// Attention output NMSE against f32 K/V (rotation-free Gaussian data). The decode shape
+// averages over fewer outputs (one query), so its low-bit bounds sit ~25% above what it
+// measured there (kvc3 6.6e-2, kvc2 1.96e-1).
+double fa_bound(ggml_type t, bool decode = false) {
     switch (t) {
         case GGML_TYPE_KVC8: return 1e-3;
         case GGML_TYPE_KVC4: return 2e-2;
-        case GGML_TYPE_KVC3: return 8e-2;
-        case GGML_TYPE_KVC2: return 2.5e-1;
+        case GGML_TYPE_KVC3: return decode ? 8e-2 : 6e-2;
+        case GGML_TYPE_KVC2: return decode ? 2.5e-1 : 2e-1;
         default:             return 0.0;
     }
 }
@@ -258,7 +260,7 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_s
 
     const double e_deq = nmse((float *) out->data, ref_deq.data(), ref_deq.size());
     const double e_f32 = nmse((float *) out->data, ref_f32.data(), ref_f32.size());
-    const double bound = std::max(fa_bound(tk), fa_bound(tv));
+    const double bound = std::max(fa_bound(tk, n_q == 1), fa_bound(tv, n_q == 1));
     rep.check(e_deq <= 1e-4, "FLASH_ATTN_EXT %s K=%s V=%s d=%3d vs dequantized K/V: nmse %.2e <= 1e-4",
         sh.name, ggml_type_name(tk), ggml_type_name(tv), d, e_deq);
     rep.check(e_f32 <= bound, "FLASH_ATTN_EXT %s K=%s V=%s d=%3d vs f32 K/V: nmse %.2e <= %.1e",
