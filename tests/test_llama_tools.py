@@ -12,6 +12,7 @@ import json
 import subprocess
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,26 @@ def test_sequence_state_past_the_sliding_window(bins: Path) -> None:
     assert "corrupted" not in _log(proc)
     runs = json.loads(proc.stdout)
     assert len(runs[0]["samples_ts"]) == 2 and min(runs[0]["samples_ts"]) > 0
+
+
+@pytest.mark.parametrize(("name", "floor"), [("smollm2-135m", True), ("smollm2-135m-f32", False)])
+def test_kld_noise_floor(text: Path, name: str, floor: bool) -> None:
+    # f16 K/V through -fa off against the flash-attention base: the same numbers up to the
+    # order of sums and one f16 rounding. The Q4_1 model rounds every matrix product's input
+    # to 8 bits, which grows that into a KLD near q8_0's; its F32 copy keeps it far below,
+    # and so tells KV formats apart (docs/results.md, "the noise floor").
+    settings = perplexity.RunSettings(model=models.fetch_model(name), corpus=text, ctx=256, chunks=2)
+    path = perplexity.run_kld(KvConfig.parse("f16"), replace(settings, flash_attn=False))
+    q8 = perplexity.run_kld(KvConfig.parse("q8_0"), settings)
+    if floor:
+        assert path.kld_mean > 0.5 * q8.kld_mean, (path.kld_mean, q8.kld_mean)
+    else:
+        assert path.kld_mean < 0.05 * q8.kld_mean, (path.kld_mean, q8.kld_mean)
+
+
+def test_dequantized_model_is_its_source(text: Path) -> None:
+    ppl = {}
+    for name in ("smollm2-135m", "smollm2-135m-f32"):
+        settings = perplexity.RunSettings(model=models.fetch_model(name), corpus=text, ctx=256, chunks=2)
+        ppl[name] = perplexity.run_kld(KvConfig.parse("f16"), settings).ppl
+    assert abs(ppl["smollm2-135m-f32"] / ppl["smollm2-135m"] - 1) < 0.05, ppl
