@@ -33,7 +33,7 @@ constexpr kvcomp_mode_row KVCOMP_MODES[] = {
     { "off",            GGML_TYPE_F16,  GGML_TYPE_F16,    0,  0,  1, 0.0f,  1.0f,  0 },
     { "low-latency",    GGML_TYPE_KVC4, GGML_TYPE_KVC4,   0,  0,  1, 0.0f,  1.0f,  1 },
     { "balanced",       GGML_TYPE_KVC4, GGML_TYPE_KVC3,  32,  4, 32, 0.0f,  1.0f,  1 },
-    { "high-precision", GGML_TYPE_KVC8, GGML_TYPE_KVC4, 128,  4,  8, 0.0f,  1.0f,  1 },
+    { "high-precision", GGML_TYPE_KVC8, GGML_TYPE_KVC8,  32,  4,  8, 0.0f,  1.0f,  1 },
 };
 static_assert(sizeof(KVCOMP_MODES) / sizeof(KVCOMP_MODES[0]) == LLAMA_KVCOMP_MODE_CUSTOM, "one table row per mode");
 

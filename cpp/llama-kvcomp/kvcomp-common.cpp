@@ -147,7 +147,7 @@ std::vector<common_arg> common_kvcomp_args() {
     args.push_back(common_arg(
         {"--kv-comp"}, "MODE",
         "kvcomp preset: off, low-latency (kvc4 K/V + scale tracker), balanced (kvc4 K, kvc3 V, 32-position window, "
-        "merge every 32 steps), high-precision (kvc8 K, kvc4 V, 128-position window, merge every 8 steps); sets -ctk/-ctv "
+        "merge every 32 steps), high-precision (kvc8 K and V, 32-position window, merge every 8 steps); sets -ctk/-ctv "
         "unless given, turns -fa on, and --kv-comp-* flags override its knobs (default: off)",
         [](common_params & params, const std::string & value) {
             kvcomp_set_mode(params, value);
