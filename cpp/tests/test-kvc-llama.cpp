@@ -145,7 +145,7 @@ double kl_div(const std::vector<float> & ref, const std::vector<float> & a) {
 // Mean KL over rows of n_vocab logits (decode with n_out > 1): one token's KL swings by an
 // order of magnitude with the rounding of a single code, the mean over many holds still.
 double kl_mean(const std::vector<float> & ref, const std::vector<float> & a, size_t n_vocab) {
-    if (ref.empty() || ref.size() != a.size() || ref.size() % n_vocab != 0) {
+    if (n_vocab == 0 || ref.empty() || ref.size() != a.size() || ref.size() % n_vocab != 0) {
         return INFINITY;
     }
     double k = 0.0;
