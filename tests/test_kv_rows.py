@@ -1,0 +1,70 @@
+"""llama-kvcomp-rows and scripts/kv_rows_gain.py (docs/kv-rows.md): the dump holds K before
+and after RoPE as the graph computed them, and the coding-gain math matches its closed form."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gain_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kv_rows_gain", ROOT / "scripts" / "kv_rows_gain.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _pair_norms(k: np.ndarray) -> np.ndarray:
+    norms: np.ndarray = np.hypot(k[..., 0::2], k[..., 1::2])
+    return norms
+
+
+def test_dump_is_rope_of_its_input(bins: Path, model: Path, text: Path, tmp_path: Path) -> None:
+    prefix = tmp_path / "rows"
+    proc = subprocess.run([str(bins / "llama-kvcomp-rows"), "-m", str(model), "-f", str(text), "-c", "512",
+                           "-ub", "256", "-b", "256", "-t", "2", "-o", str(prefix)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    meta = json.loads(Path(f"{prefix}.json").read_text())
+    assert (meta["n_layer"], meta["n_head"], meta["n_head_kv"], meta["head_dim"]) == (30, 9, 3, 64)
+    gain = _gain_script()
+    kpre = gain.load(prefix, "kpre", meta["n_head_kv"], meta)
+    kpost = gain.load(prefix, "kpost", meta["n_head_kv"], meta)
+    qpost = gain.load(prefix, "qpost", meta["n_head"], meta)
+    assert kpre.shape == kpost.shape == (30, 3, 512, 64) and qpost.shape == (30, 9, 512, 64)
+    # position 0 is RoPE's identity; later positions turn each pair of channels (llama's
+    # adjacent pairs) without changing its length, so K must differ but keep pair norms
+    np.testing.assert_allclose(kpost[:, :, 0], kpre[:, :, 0], rtol=1e-6, atol=1e-6)
+    assert np.abs(kpost[:, :, 1:] - kpre[:, :, 1:]).max() > 1e-2 * np.abs(kpre).max()
+    np.testing.assert_allclose(_pair_norms(kpost), _pair_norms(kpre), rtol=1e-4, atol=1e-4 * np.abs(kpre).max())
+    assert np.isfinite(qpost).all() and np.abs(qpost).max() > 0
+
+
+@pytest.mark.parametrize("bits", [2.0, 4.0])
+def test_water_filling_closed_form(bits: float) -> None:
+    # every variance above the water level: D = d * geomean(lam) * 2^(-2R)
+    gain = _gain_script()
+    lam = np.array([4.0, 2.0, 1.0, 0.5])
+    expected = len(lam) * np.exp(np.log(lam).mean()) * 2.0 ** (-2 * bits)
+    assert gain.water_filling(lam, bits) == pytest.approx(expected, rel=1e-6)
+
+
+def test_head_gains_see_structure() -> None:
+    # white K and white Q: no gain; K with one strong direction read by Q along it: a gain
+    gain = _gain_script()
+    rng = np.random.default_rng(0)
+    white = rng.standard_normal((20000, 8))
+    gk, gw = gain.head_gains(white, rng.standard_normal((20000, 8)), 4.0)
+    assert gk == pytest.approx(1.0, rel=0.05) and gw == pytest.approx(1.0, rel=0.1)
+    strong = white * np.array([10.0, 1, 1, 1, 1, 1, 1, 1])
+    gk, gw = gain.head_gains(strong, white * np.array([10.0, 1, 1, 1, 1, 1, 1, 1]), 4.0)
+    assert gk > 2.0 and gw > gk
