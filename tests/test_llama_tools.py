@@ -8,6 +8,7 @@ for unsupported combinations.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import subprocess
 import urllib.error
@@ -262,15 +263,24 @@ def test_sequence_state_past_the_sliding_window(bins: Path) -> None:
     assert len(runs[0]["samples_ts"]) == 2 and min(runs[0]["samples_ts"]) > 0
 
 
+def _floor_settings(name: str, text: Path) -> perplexity.RunSettings:
+    return perplexity.RunSettings(model=models.fetch_model(name), corpus=text, ctx=256, chunks=2)
+
+
+@functools.cache
+def _f16_without_fa(name: str, text: Path) -> perplexity.KldResult:
+    """f16 K/V through -fa off against the flash-attention base: the same numbers up to the
+    order of sums and one f16 rounding (shared by the two tests below)."""
+    return perplexity.run_kld(KvConfig.parse("f16"), replace(_floor_settings(name, text), flash_attn=False))
+
+
 @pytest.mark.parametrize(("name", "floor"), [("smollm2-135m", True), ("smollm2-135m-f32", False)])
 def test_kld_noise_floor(text: Path, name: str, floor: bool) -> None:
-    # f16 K/V through -fa off against the flash-attention base: the same numbers up to the
-    # order of sums and one f16 rounding. The Q4_1 model rounds every matrix product's input
-    # to 8 bits, which grows that into a KLD near q8_0's; its F32 copy keeps it far below,
-    # and so tells KV formats apart (docs/results.md, "the noise floor").
-    settings = perplexity.RunSettings(model=models.fetch_model(name), corpus=text, ctx=256, chunks=2)
-    path = perplexity.run_kld(KvConfig.parse("f16"), replace(settings, flash_attn=False))
-    q8 = perplexity.run_kld(KvConfig.parse("q8_0"), settings)
+    # The Q4_1 model rounds every matrix product's input to 8 bits, which grows the kernel
+    # change into a KLD near q8_0's; its F32 copy keeps it far below, and so tells KV formats
+    # apart (docs/results.md, "the noise floor").
+    path = _f16_without_fa(name, text)
+    q8 = perplexity.run_kld(KvConfig.parse("q8_0"), _floor_settings(name, text))
     if floor:
         assert path.kld_mean > 0.5 * q8.kld_mean, (path.kld_mean, q8.kld_mean)
     else:
@@ -278,8 +288,5 @@ def test_kld_noise_floor(text: Path, name: str, floor: bool) -> None:
 
 
 def test_dequantized_model_is_its_source(text: Path) -> None:
-    ppl = {}
-    for name in ("smollm2-135m", "smollm2-135m-f32"):
-        settings = perplexity.RunSettings(model=models.fetch_model(name), corpus=text, ctx=256, chunks=2)
-        ppl[name] = perplexity.run_kld(KvConfig.parse("f16"), settings).ppl
+    ppl = {name: _f16_without_fa(name, text).ppl for name in ("smollm2-135m", "smollm2-135m-f32")}
     assert abs(ppl["smollm2-135m-f32"] / ppl["smollm2-135m"] - 1) < 0.05, ppl

@@ -308,10 +308,14 @@ std::vector<float> decode_shifted(llama_context * ctx, const std::vector<llama_t
 // 8-bit activations (Q4_1 weights), a difference in the last bit grows into a different draw
 // of quantization noise (docs/results.md, "the noise floor").
 void test_residual_buffer(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
+    // Quality is judged by the mean KL to f16 over the last 64 tokens: one token's logits
+    // move by a fresh draw of quantization noise whenever the kernel changes.
     const int n = 300;
-    const std::vector<float> f16   = decode_fresh(make_ctx(model, GGML_TYPE_F16), toks, n, n);
-    const std::vector<float> plain = decode_fresh(make_ctx(model, GGML_TYPE_KVC4), toks, n, n);
-    const double d_plain  = rel_diff(plain, f16);
+    const int n_out = 64;
+    const size_t n_vocab = (size_t) llama_vocab_n_tokens(llama_model_get_vocab(model));
+    const std::vector<float> f16_rows   = decode_fresh(make_ctx(model, GGML_TYPE_F16), toks, n, n, nullptr, n_out);
+    const std::vector<float> plain_rows = decode_fresh(make_ctx(model, GGML_TYPE_KVC4), toks, n, n, nullptr, n_out);
+    const double kl_plain_rows = kl_mean(f16_rows, plain_rows, n_vocab);
 
     {
         ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
@@ -337,12 +341,12 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
         rep.check(c.ctx && llama_kvcomp_configure(c.ctx, &kp) == -2, "buffer: refused without flash attention");
     }
     {
-        const std::vector<float> w0 = decode_fresh(make_buffered_ctx(model, buffer_params(0, 0)), toks, n, n);
-        rep.check(!w0.empty() && w0 == plain, "buffer: window 0 without sinks or pins is the plain kvc4 cache, bit-exact");
+        const std::vector<float> w0 = decode_fresh(make_buffered_ctx(model, buffer_params(0, 0)), toks, n, n, nullptr, n_out);
+        rep.check(!w0.empty() && w0 == plain_rows, "buffer: window 0 without sinks or pins is the plain kvc4 cache, bit-exact");
     }
     {
-        const double d = rel_diff(decode_fresh(make_buffered_ctx(model, buffer_params(512, 0)), toks, n, n), f16);
-        rep.check(d <= 3e-2 && d < 0.5 * d_plain, "buffer: window >= context is f16: %.2e <= 3e-2 (plain kvc4 %.2e)", d, d_plain);
+        const double kl = kl_mean(f16_rows, decode_fresh(make_buffered_ctx(model, buffer_params(512, 0)), toks, n, n, nullptr, n_out), n_vocab);
+        rep.check(kl < 0.25 * kl_plain_rows, "buffer: window >= context is f16: KL %.2e < 0.25 x plain kvc4's %.2e", kl, kl_plain_rows);
     }
 
     // Batched = sequential, with merges (every 4 ubatches) inside the prompt. Splits that take
@@ -351,11 +355,6 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
     // an independent draw of quantization noise, so they are held to quality, over the last 64
     // tokens: with a window, every split beats plain kvc4; with sinks alone, every split stays
     // within twice plain kvc4's KL (the five splits of one run spread 4x around it).
-    const int n_out = 64;
-    const size_t n_vocab = f16.size();
-    const std::vector<float> f16_rows   = decode_fresh(make_ctx(model, GGML_TYPE_F16), toks, n, n, nullptr, n_out);
-    const std::vector<float> plain_rows = decode_fresh(make_ctx(model, GGML_TYPE_KVC4), toks, n, n, nullptr, n_out);
-    const double kl_plain_rows = kl_mean(f16_rows, plain_rows, n_vocab);
     for (const auto & ws : { std::array<int, 2>{ 0, 4 }, std::array<int, 2>{ 32, 0 }, std::array<int, 2>{ 128, 4 } }) {
         const llama_kvcomp_params kp = buffer_params(ws[0], ws[1], 4);
         llama_kvcomp_stats st1 = {}, st8 = {};
@@ -539,8 +538,8 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
         pk.pin_threshold = 1e-4f;
         pk.pin_budget    = 100.0f;
         llama_kvcomp_stats st = {};
-        const double d = rel_diff(decode_fresh(make_buffered_ctx(model, pk), toks, n, 1, &st), f16);
-        rep.check(d <= 3e-2 && d < 0.5 * d_plain, "buffer pins: every token pinned is f16: %.2e <= 3e-2 (plain kvc4 %.2e)", d, d_plain);
+        const double kl = kl_mean(f16_rows, decode_fresh(make_buffered_ctx(model, pk), toks, n, 1, &st, n_out), n_vocab);
+        rep.check(kl < 0.25 * kl_plain_rows, "buffer pins: every token pinned is f16: KL %.2e < 0.25 x plain kvc4's %.2e", kl, kl_plain_rows);
         rep.check(st.n_pinned == n - 1, "buffer pins: %d of %d tokens pinned", st.n_pinned, n - 1);
     }
     {
