@@ -129,6 +129,10 @@ int main(int argc, char ** argv) {
         LOG_ERR("writing %s.*.f32 failed\n", prefix.c_str());
         return 1;
     }
+    if (d.head_dim == 0 || d.n_head == 0) {
+        LOG_ERR("the graph has no RoPE nodes named Kcur-<il> and Qcur-<il>: nothing to dump for this model\n");
+        return 1;
+    }
 
     FILE * js = fopen((prefix + ".json").c_str(), "w");
     if (!js) {
