@@ -48,18 +48,30 @@ def water_filling(lam: np.ndarray, bits: float) -> float:
     return float(np.minimum(np.sqrt(lo * hi), lam).sum())
 
 
-def head_gains(k: np.ndarray, q: np.ndarray, bits: float) -> tuple[float, float]:
-    """(K squared-error gain, query-weighted gain) of the transform coder for one head."""
-    d = k.shape[1]
-    x = k - k.mean(0)
-    ck = x.T @ x / len(x)
+def second_moment(x: np.ndarray) -> np.ndarray:
+    """E[x x'] over rows [token, dim]."""
+    m: np.ndarray = x.T @ x / len(x)
+    return m
+
+
+def covariance(x: np.ndarray) -> np.ndarray:
+    """Covariance of rows [token, dim] about their mean (the tracker's offset)."""
+    return second_moment(x - x.mean(0))
+
+
+def k_gain(ck: np.ndarray, bits: float) -> float:
+    """The transform coder's gain in K's squared error, for K's covariance ck."""
     lam = np.linalg.eigvalsh(ck)
-    equal = lam.sum() * 2.0 ** (-2 * bits)
-    cq = q.T @ q / len(q)
-    w, v = np.linalg.eigh(cq)
+    return float(lam.sum() * 2.0 ** (-2 * bits) / water_filling(lam, bits))
+
+
+def weighted_gain(ck: np.ndarray, q_second_moment: np.ndarray, bits: float) -> float:
+    """The gain in K's error weighted by the queries, E[(q.e)^2] = e' C_q e (C_q = E[q q'],
+    not centred: a query's mean does weigh the error)."""
+    w, v = np.linalg.eigh(q_second_moment)
     root = v @ np.diag(np.sqrt(np.maximum(w, 0.0))) @ v.T
-    equal_w = np.trace(cq) * lam.sum() / d * 2.0 ** (-2 * bits)
-    return equal / water_filling(lam, bits), equal_w / water_filling(np.linalg.eigvalsh(root @ ck @ root), bits)
+    equal = np.trace(q_second_moment) * np.trace(ck) / len(ck) * 2.0 ** (-2 * bits)
+    return float(equal / water_filling(np.linalg.eigvalsh(root @ ck @ root), bits))
 
 
 def summary(g: np.ndarray) -> str:
@@ -74,22 +86,26 @@ def main() -> None:
     meta = json.loads(Path(f"{args.prefix}.json").read_text())
     n_kv, n_q = meta["n_head_kv"], meta["n_head"]
     group = n_q // n_kv
-    rows = {kind: load(args.prefix, kind, n_kv, meta) for kind in ("kpre", "kpost")}
+    hd = meta["head_dim"]
     qpost = load(args.prefix, "qpost", n_q, meta)
+    # per head: E[q q'] of the queries that read it, then K's covariance before and after RoPE
+    cq = [[second_moment(qpost[il, h * group : (h + 1) * group].reshape(-1, hd)) for h in range(n_kv)]
+          for il in range(meta["n_layer"])]
+    ck = {}
+    for kind in ("kpost", "kpre"):
+        k = load(args.prefix, kind, n_kv, meta)
+        ck[kind] = [[covariance(k[il, h]) for h in range(n_kv)] for il in range(meta["n_layer"])]
     print("| K | bits | K error gain: geo mean / min / max | query-weighted gain: geo mean / min / max |")
     print("|---|---:|---|---|")
     for bits in args.bits:
         for kind, label in (("kpost", "after RoPE"), ("kpre", "before RoPE")):
-            gk, gw = [], []
-            for il in range(meta["n_layer"]):
-                for h in range(n_kv):
-                    q = qpost[il, h * group : (h + 1) * group].reshape(-1, meta["head_dim"])
-                    a, b = head_gains(rows[kind][il, h], q, bits)
-                    gk.append(a)
-                    gw.append(b)
+            heads = [(il, h) for il in range(meta["n_layer"]) for h in range(n_kv)]
+            gk = np.array([k_gain(ck[kind][il][h], bits) for il, h in heads])
             # the queries are after RoPE, so they weigh only the keys after RoPE
-            weighted = summary(np.array(gw)) if kind == "kpost" else "-"
-            print(f"| {label} | {bits:g} | {summary(np.array(gk))} | {weighted} |")
+            weighted = "-"
+            if kind == "kpost":
+                weighted = summary(np.array([weighted_gain(ck[kind][il][h], cq[il][h], bits) for il, h in heads]))
+            print(f"| {label} | {bits:g} | {summary(gk)} | {weighted} |")
 
 
 if __name__ == "__main__":

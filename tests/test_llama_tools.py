@@ -288,5 +288,6 @@ def test_kld_noise_floor(text: Path, name: str, floor: bool) -> None:
 
 
 def test_dequantized_model_is_its_source(text: Path) -> None:
-    ppl = {name: _f16_without_fa(name, text).ppl for name in ("smollm2-135m", "smollm2-135m-f32")}
+    # the base of those runs is f16 with flash attention, the cache as llama.cpp runs it
+    ppl = {name: _f16_without_fa(name, text).ppl_base for name in ("smollm2-135m", "smollm2-135m-f32")}
     assert abs(ppl["smollm2-135m-f32"] / ppl["smollm2-135m"] - 1) < 0.05, ppl
