@@ -14,11 +14,12 @@
 
 // "KVCB": the buffer's part of a state, after upstream's cells
 static constexpr uint32_t KVCOMP_STATE_MAGIC   = 0x4243564b;
-static constexpr uint32_t KVCOMP_STATE_VERSION = 2;
+// 3: the tracker part holds the K offset only (2 had channel scales too)
+static constexpr uint32_t KVCOMP_STATE_VERSION = 3;
 
 llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max,
                                          std::shared_ptr<llama_kvcomp_tracker> tracker)
-    : params(params), buffered(wants_slots(params)), n_ubatch(n_ubatch), tracker(std::move(tracker)) {
+    : params(params), buffered(wants_slots(params) && lossy(kv)), n_ubatch(n_ubatch), tracker(std::move(tracker)) {
     const uint32_t kv_size = kv.get_size();
     const uint32_t n_seq   = kv.n_stream > 1 ? 1 : n_seq_max; // sequences per stream
     pin_budget = params.pin_threshold > 0.0f ? (uint32_t) std::ceil(params.pin_budget / 100.0f * kv_size) : 0;
@@ -192,6 +193,7 @@ uint32_t llama_kvcomp_buffer::n_main(uint32_t n_kv, uint32_t kv_size, int32_t il
         return n_kv;
     }
     const ggml_tensor * cur = (is_k ? k_cur : v_cur)[layer_of_il[il]];
+    // (a reserve graph spans every stream; whatever the count, its main part is the whole cache)
     const uint32_t n_streams = ub_streams.empty() ? 1 : (uint32_t) ub_streams.size();
     const uint32_t extra = n_extra(cur ? (uint32_t) cur->ne[1] / n_streams : 0);
     GGML_ASSERT(n_kv > extra);
@@ -432,7 +434,9 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     const int64_t ne0 = main_view->ne[0];
     const int64_t ne1 = main_view->ne[1];
     const int64_t ns  = main_view->ne[3];
-    const uint32_t s0 = ub_streams.empty() ? 0 : ub_streams[0];
+    // the first stream of the graph being built, which a reserve graph (all streams) does not
+    // share with the last ubatch
+    const size_t  s0  = main_view->view_offs / main_view->nb[3];
 
     ggml_tensor * & written = (is_k ? k_written : v_written)[ib];
     ggml_tensor * & cur     = (is_k ? k_cur : v_cur)[ib];
@@ -625,6 +629,10 @@ void llama_kvcomp_buffer::copy_stream(uint32_t ssrc, uint32_t sdst) {
 }
 
 void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cache & kv, llama_seq_id seq_id) const {
+    // an exact cache's state is upstream's, readable with or without these settings
+    if (!buffered && !tracker) {
+        return;
+    }
     const uint32_t header[] = {
         KVCOMP_STATE_MAGIC, KVCOMP_STATE_VERSION, (uint32_t) k_buf.size(), (uint32_t) k_buf[0]->ne[0],
         (uint32_t) v_buf[0]->ne[0], n_slots(), (uint32_t) maps.size(),
@@ -681,6 +689,9 @@ void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cach
 
 void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, llama_seq_id seq_id,
                                      const llama_kv_cache::slot_info_vec_t & sinfos) {
+    if (!buffered && !tracker) {
+        return;
+    }
     // the restored cells hold other tokens now
     for (uint32_t strm = 0; strm < maps.size(); ++strm) {
         stream_map & m = maps[strm];
@@ -836,21 +847,32 @@ llama_kvcomp_stats llama_kvcomp_buffer::get_stats() const {
 int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max) {
     // a tracker stays with the cache once it has set offsets: the cached keys carry them
     std::shared_ptr<llama_kvcomp_tracker> tracker = kv.kvcomp ? kv.kvcomp->tracker : nullptr;
+    // An unquantized cache already holds every row exactly: exact copies or a K offset would
+    // compensate nothing and only change how attention rounds, so they stay off there and the
+    // logits are upstream's bit for bit (docs/design-residual-buffer.md, "Exact caches").
+    const bool wants_tracker = params.tracker && ggml_is_quantized(kv.layers[0].k->type);
+    if (params.tracker && !wants_tracker) {
+        LLAMA_LOG_INFO("kvcomp: K is %s, stored exactly: the scale tracker stays off\n", ggml_type_name(kv.layers[0].k->type));
+    }
+    if (wants_slots(params) && !lossy(kv)) {
+        LLAMA_LOG_INFO("kvcomp: K/V are %s/%s, stored exactly: the residual buffer stays off\n",
+                ggml_type_name(kv.layers[0].k->type), ggml_type_name(kv.layers[0].v->type));
+    }
     if (!wants_slots(params) && !params.tracker && !tracker) {
         kv.kvcomp.reset();
         return 0;
     }
-    if (kv.v_trans) {
+    if (kv.v_trans && ((wants_slots(params) && lossy(kv)) || wants_tracker || tracker)) {
         LLAMA_LOG_ERROR("%s: kvcomp needs flash attention (-fa on)\n", __func__);
         return -2;
     }
     try {
-        if (!tracker && params.tracker) {
+        if (!tracker && wants_tracker) {
             std::vector<llama_kvcomp_tracker::layer_desc> descs;
             for (const auto & l : kv.layers) {
                 descs.push_back({ l.k, l.v, (int32_t) l.il, (int64_t) kv.hparams.n_embd_head_k(l.il), (int64_t) kv.hparams.n_embd_head_v(l.il) });
             }
-            tracker = std::make_shared<llama_kvcomp_tracker>(descs, params, !kv.attn_rot_k);
+            tracker = std::make_shared<llama_kvcomp_tracker>(descs, params);
         }
         if (tracker) {
             tracker->set_params(params);
@@ -870,7 +892,11 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
 
 
 ggml_tensor * llama_kvcomp_buffer::scale_q(ggml_context * ctx0, ggml_tensor * q, int32_t il) const {
-    return tracker ? tracker->scale_q(ctx0, q, layer_of_il[il]) : q;
+    // K is stored as k - c, and softmax cancels q·c: Q stays as it is (a per-head basis of the
+    // stored K would turn Q here)
+    GGML_UNUSED(ctx0);
+    GGML_UNUSED(il);
+    return q;
 }
 
 bool llama_kvcomp_buffer::get_layer_stats(int32_t il, llama_kvcomp_layer_stats & st) const {

@@ -53,8 +53,11 @@ struct llama_kvcomp_buffer {
     // cache layer ib: L2 norm per KV head of the K and V rows the slots hold
     void slot_norms(int32_t ib, std::vector<float> & k_l2, std::vector<float> & v_l2, int64_t n_head_k, int64_t n_head_v) const;
 
-    // whether the params ask for slots at all
+    // whether the params ask for slots at all, and whether the cache has rows they could improve
     static bool wants_slots(const llama_kvcomp_params & p) { return p.window > 0 || p.sinks > 0 || p.pin_threshold > 0.0f; }
+    static bool lossy(const llama_kv_cache & kv) {
+        return ggml_is_quantized(kv.layers[0].k->type) || ggml_is_quantized(kv.layers[0].v->type);
+    }
 
     // slots per KV stream
     uint32_t n_slots() const { return n_slots_stream; }
@@ -80,7 +83,7 @@ struct llama_kvcomp_buffer {
     // the get() of the same layer in the same graph); `idxs` holds main rows then slot rows.
     ggml_tensor * cpy(ggml_context * ctx, ggml_tensor * cache, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_k) const;
 
-    // Q as attention must see it for the tracker's stored K (q itself without a tracker)
+    // Q as attention must see it for the stored K (hook of patch 0009)
     ggml_tensor * scale_q(ggml_context * ctx, ggml_tensor * q, int32_t il) const;
 
     // [main view ; slots ; current ubatch], as F32, along the cell dimension.

@@ -14,20 +14,15 @@ static constexpr uint32_t KVCOMP_TAP_ROWS = 32;
 static constexpr uint32_t KVCOMP_WINDOW   = 32;
 static constexpr uint32_t KVCOMP_RECOMPUTE = 8;
 static constexpr double   KVCOMP_QUANTILE = 0.999;
-// rows of the tap after the samples: the offset c, 1/s and the channel scales s
+// the row of the tap after the samples: the offset c
 static constexpr uint32_t KVCOMP_ROW_C     = KVCOMP_TAP_ROWS;
-static constexpr uint32_t KVCOMP_ROW_INV_S = KVCOMP_TAP_ROWS + 1;
-static constexpr uint32_t KVCOMP_ROW_S     = KVCOMP_TAP_ROWS + 2;
-// a channel's scale stays within this factor of 1, so a dead or wild channel cannot take
-// the block's precision
-static constexpr float    KVCOMP_SCALE_MAX = 8.0f;
 
 static uint32_t tap_stride(uint32_t n_tokens) {
     return (n_tokens + KVCOMP_TAP_ROWS - 1) / KVCOMP_TAP_ROWS;
 }
 
-llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params, bool equalize)
-    : params(params), equalize(equalize) {
+llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params)
+    : params(params) {
     ggml_init_params ip = { (descs.size() + 1) * ggml_tensor_overhead(), nullptr, true };
     ctx = ggml_init(ip);
     if (!ctx) {
@@ -52,8 +47,7 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         l.k_err_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
         l.k_energy_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
         l.c.assign(l.n_embd_k, 0.0f);
-        l.s.assign(l.n_embd_k, 1.0f);
-        tap.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, l.n_embd_k, KVCOMP_ROW_S + 1));
+        tap.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, l.n_embd_k, KVCOMP_ROW_C + 1));
         ggml_format_name(tap.back(), "kvcomp_tap_l%u", kl.il);
     }
     calibrate = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, KVCOMP_TAP_ROWS + 1);
@@ -71,11 +65,10 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
 
 llama_kvcomp_tracker::~llama_kvcomp_tracker() {
     // the tracker's measurement of the whole run, for `kvcomp kld` (docs/results.md)
-    double err = 0.0, err_offset = 0.0, err_plain = 0.0, energy = 0.0;
+    double err = 0.0, err_plain = 0.0, energy = 0.0;
     int64_t n_rows = 0, n_values = 0;
     for (const auto & l : layers) {
         err        += l.k_err;
-        err_offset += l.k_err_offset;
         err_plain  += l.k_err_plain;
         energy     += l.k_energy;
         n_rows     += l.n_rows_measured;
@@ -83,7 +76,7 @@ llama_kvcomp_tracker::~llama_kvcomp_tracker() {
     }
     if (n_values > 0) {
         LLAMA_LOG_INFO("kvcomp: tracker: K rows measured = %lld, RMSE = %.6f, RMSE offset only = %.6f, RMSE plain = %.6f, "
-                "row RMS = %.6f\n", (long long) n_rows, std::sqrt(err / n_values), std::sqrt(err_offset / n_values),
+                "row RMS = %.6f\n", (long long) n_rows, std::sqrt(err / n_values), std::sqrt(err / n_values),
                 std::sqrt(err_plain / n_values), std::sqrt(energy / n_values));
     }
     ggml_backend_buffer_free(buf);
@@ -107,29 +100,7 @@ ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor *
     // the same mean in the offset row). One graph shape for every ubatch and few nodes: the
     // graph's node budget is upstream's. The view hangs on the copy, so it is read after it.
     ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, KVCOMP_ROW_C + 1, tap[ib]->nb[1], 0);
-    ggml_tensor * centered = ggml_sub(ctx0, cur, ggml_out_prod(ctx0, all, calibrate));
-    if (!equalize) {
-        // s = 1: no node for it (each node costs a thread barrier per decode step)
-        return centered;
-    }
-    ggml_tensor * inv_s = ggml_view_1d(ctx0, tap[ib], ne0, KVCOMP_ROW_INV_S * tap[ib]->nb[1]);
-    return ggml_mul(ctx0, centered, inv_s);
-}
-
-ggml_tensor * llama_kvcomp_tracker::scale_q(ggml_context * ctx0, ggml_tensor * q, int32_t ib) const {
-    if (!equalize) {
-        return q;
-    }
-    const layer_state & l = layers[ib];
-    // q: [head size, n_head, n_tokens]; query head h reads KV head h / (n_head / n_head_kv)
-    const int64_t d = q->ne[0], n_head = q->ne[1], n_tok = q->ne[2];
-    const int64_t n_head_kv = l.n_embd_k / l.n_embd_head_k;
-    GGML_ASSERT(d == l.n_embd_head_k && n_head % n_head_kv == 0);
-    q = ggml_is_contiguous(q) ? q : ggml_cont(ctx0, q);
-    ggml_tensor * s = ggml_view_4d(ctx0, tap[ib], d, 1, n_head_kv, 1, d * sizeof(float), d * sizeof(float),
-            l.n_embd_k * sizeof(float), KVCOMP_ROW_S * tap[ib]->nb[1]);
-    ggml_tensor * q4 = ggml_reshape_4d(ctx0, q, d, n_head / n_head_kv, n_head_kv, n_tok);
-    return ggml_reshape_3d(ctx0, ggml_mul(ctx0, q4, s), d, n_head, n_tok);
+    return ggml_sub(ctx0, cur, ggml_out_prod(ctx0, all, calibrate));
 }
 
 ggml_tensor * llama_kvcomp_tracker::unstore(ggml_context * ctx0, ggml_tensor * rows, int32_t ib, bool back) const {
@@ -139,17 +110,12 @@ ggml_tensor * llama_kvcomp_tracker::unstore(ggml_context * ctx0, ggml_tensor * r
         return ggml_cont(ctx0, ggml_view_3d(ctx0, tap[ib], rows->ne[0], rows->ne[1], 1,
                 l.n_embd_head_k * sizeof(float), l.n_embd_k * sizeof(float), r * tap[ib]->nb[1]));
     };
-    if (back) {
-        ggml_tensor * centered = ggml_sub(ctx0, rows, row(KVCOMP_ROW_C));
-        return equalize ? ggml_mul(ctx0, centered, row(KVCOMP_ROW_INV_S)) : centered;
-    }
-    return ggml_add(ctx0, equalize ? ggml_mul(ctx0, rows, row(KVCOMP_ROW_S)) : rows, row(KVCOMP_ROW_C));
+    return back ? ggml_sub(ctx0, rows, row(KVCOMP_ROW_C)) : ggml_add(ctx0, rows, row(KVCOMP_ROW_C));
 }
 
 void llama_kvcomp_tracker::fold(std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const {
     update_stats & u = win[n_updates % KVCOMP_WINDOW];
     u.n = n_rows;
-    u.sum.assign(n_embd, 0.0f);
     u.hi1.assign(n_embd, -INFINITY);
     u.hi2.assign(n_embd, -INFINITY);
     u.lo1.assign(n_embd, INFINITY);
@@ -160,7 +126,6 @@ void llama_kvcomp_tracker::fold(std::vector<update_stats> & win, const float * r
             if (!std::isfinite(x[i])) {
                 continue;
             }
-            u.sum[i] += x[i];
             if (x[i] > u.hi1[i]) {
                 u.hi2[i] = u.hi1[i];
                 u.hi1[i] = x[i];
@@ -198,16 +163,14 @@ void llama_kvcomp_tracker::recompute(layer_state & l) {
     if (n == 0) {
         return;
     }
-    std::vector<float> mean(l.n_embd_k), hi(l.n_embd_k), lo(l.n_embd_k), cand_hi, cand_lo;
+    std::vector<float> hi(l.n_embd_k), lo(l.n_embd_k), cand_hi, cand_lo;
     for (int64_t i = 0; i < l.n_embd_k; ++i) {
-        double s = 0.0;
         cand_hi.clear();
         cand_lo.clear();
         for (const auto & u : l.k_win) {
             if (u.n == 0) {
                 continue;
             }
-            s += u.sum[i];
             for (float v : { u.hi1[i], u.hi2[i] }) {
                 if (std::isfinite(v)) cand_hi.push_back(v);
             }
@@ -215,7 +178,6 @@ void llama_kvcomp_tracker::recompute(layer_state & l) {
                 if (std::isfinite(v)) cand_lo.push_back(v);
             }
         }
-        mean[i] = (float) (s / (double) n);
         hi[i] = cand_hi.empty() ? 0.0f : extreme_quantile(cand_hi, n, true);
         lo[i] = cand_lo.empty() ? 0.0f : extreme_quantile(cand_lo, n, false);
     }
@@ -256,7 +218,6 @@ void llama_kvcomp_tracker::recompute(layer_state & l) {
             ema[i] += l.alpha * (x[i] - ema[i]);
         }
     };
-    smooth(l.k_mean, mean);
     smooth(l.k_hi, hi);
     smooth(l.k_lo, lo);
     smooth(l.v_hi, vhi);
@@ -270,12 +231,12 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
     const int64_t n = l.n_embd_k;
     std::vector<uint8_t> q(k_main->nb[1]);
     std::vector<float> x(n), y(n);
-    // pass 0: as the rows came; 1: as stored (offset and channel scales); 2: offset only
+    // pass 0: as the rows came; 1: as stored (offset removed)
     for (size_t r = 0; r < n_rows; ++r) {
         const float * raw = k_rows + r * n;
-        for (int pass = 0; pass < 3; ++pass) {
+        for (int pass = 0; pass < 2; ++pass) {
             for (int64_t i = 0; i < n; ++i) {
-                x[i] = (raw[i] - (pass ? l.c[i] : 0.0f)) / (pass == 1 ? l.s[i] : 1.0f);
+                x[i] = raw[i] - (pass ? l.c[i] : 0.0f);
             }
             if (k_main->type == GGML_TYPE_F32) {
                 y = x;
@@ -285,13 +246,13 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
             }
             double e = 0.0;
             for (int64_t i = 0; i < n; ++i) {
-                const double d = (double) (x[i] - y[i]) * (pass == 1 ? l.s[i] : 1.0f);
+                const double d = (double) (x[i] - y[i]);
                 e += d * d;
                 if (pass == 1) {
                     l.k_err_head[i / l.n_embd_head_k] += d * d;
                 }
             }
-            (pass == 0 ? l.k_err_plain : pass == 1 ? l.k_err : l.k_err_offset) += e;
+            (pass == 0 ? l.k_err_plain : l.k_err) += e;
         }
         for (int64_t i = 0; i < n; ++i) {
             l.k_energy += (double) raw[i] * raw[i];
@@ -301,38 +262,9 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
     l.n_rows_measured += (int64_t) n_rows;
 }
 
-// Each K channel is divided by s_i = h_i / mean(h), h_i its smoothed half-range about the
-// offset, so the channels of a quantization block have alike ranges; attention multiplies Q
-// by s (scale_q), which gives back q·k exactly.
-void llama_kvcomp_tracker::set_scales(layer_state & l) const {
-    const int64_t n = l.n_embd_k;
-    if (!equalize) {
-        std::fill(l.s.begin(), l.s.end(), 1.0f);
-        return;
-    }
-    std::vector<double> h(n);
-    double mean = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-        h[i] = std::max(l.k_hi[i] - l.c[i], l.c[i] - l.k_lo[i]);
-        mean += h[i] / (double) n;
-    }
-    for (int64_t i = 0; i < n; ++i) {
-        const double si = mean > 0.0 && h[i] > 0.0 && std::isfinite(h[i]) ? h[i] / mean : 1.0;
-        l.s[i] = (float) std::min<double>(KVCOMP_SCALE_MAX, std::max<double>(1.0 / KVCOMP_SCALE_MAX, si));
-    }
-}
-
 void llama_kvcomp_tracker::write_offsets() const {
-    std::vector<float> inv;
     for (size_t ib = 0; ib < layers.size(); ++ib) {
-        const layer_state & l = layers[ib];
-        inv.resize(l.s.size());
-        for (size_t i = 0; i < inv.size(); ++i) {
-            inv[i] = 1.0f / l.s[i];
-        }
-        ggml_backend_tensor_set(tap[ib], l.c.data(),   KVCOMP_ROW_C     * tap[ib]->nb[1], tap[ib]->nb[1]);
-        ggml_backend_tensor_set(tap[ib], inv.data(),   KVCOMP_ROW_INV_S * tap[ib]->nb[1], tap[ib]->nb[1]);
-        ggml_backend_tensor_set(tap[ib], l.s.data(),   KVCOMP_ROW_S     * tap[ib]->nb[1], tap[ib]->nb[1]);
+        ggml_backend_tensor_set(tap[ib], layers[ib].c.data(), KVCOMP_ROW_C * tap[ib]->nb[1], tap[ib]->nb[1]);
     }
 }
 
@@ -418,18 +350,13 @@ void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empt
     const uint32_t n_sample = ((uint32_t) cells.size() + stride - 1) / stride;
     bool calibrating = false;
     if (empty) {
-        // The cache starts over: the smoothed statistics when there are some, else the offset
-        // from this ubatch's rows and no channel scales; with the tracker switched off, none.
-        const bool warm = std::all_of(layers.begin(), layers.end(), [](const layer_state & l) { return l.warm; });
-        calibrating = params.tracker && !warm;
+        // The cache starts over: the offset comes from this ubatch's own rows (with the tracker
+        // switched off, none), never from the smoothed statistics, which hold earlier
+        // sequences' rows: what a sequence computes must not depend on the requests served
+        // before it (docs/design-tracker-modes.md, "Isolation").
+        calibrating = params.tracker;
         for (auto & l : layers) {
-            if (params.tracker && warm) {
-                l.c = l.k_mean;
-                set_scales(l);
-            } else {
-                std::fill(l.c.begin(), l.c.end(), 0.0f);
-                std::fill(l.s.begin(), l.s.end(), 1.0f);
-            }
+            std::fill(l.c.begin(), l.c.end(), 0.0f);
         }
         write_offsets();
     }
@@ -450,7 +377,6 @@ void llama_kvcomp_tracker::state_write(llama_io_write_i & io) const {
         const uint32_t ne = (uint32_t) l.c.size();
         io.write(&ne, sizeof(ne));
         io.write(l.c.data(), ne * sizeof(float));
-        io.write(l.s.data(), ne * sizeof(float));
     }
 }
 
@@ -480,12 +406,11 @@ void llama_kvcomp_tracker::reencode(ggml_tensor * t, const std::vector<uint64_t>
 
 std::vector<llama_kvcomp_tracker::affine> llama_kvcomp_tracker::state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells,
                                                                            bool replace, bool present) {
-    // a state saved without a tracker holds rows stored as they came: c = 0, s = 1
+    // a state saved without a tracker holds rows stored as they came: c = 0
     const uint32_t n_layers = (uint32_t) layers.size();
-    std::vector<std::vector<float>> fc(n_layers), fs(n_layers);
+    std::vector<std::vector<float>> fc(n_layers);
     for (uint32_t ib = 0; ib < n_layers; ++ib) {
         fc[ib].assign(layers[ib].c.size(), 0.0f);
-        fs[ib].assign(layers[ib].c.size(), 1.0f);
     }
     if (present) {
         uint32_t n = 0;
@@ -500,15 +425,9 @@ std::vector<llama_kvcomp_tracker::affine> llama_kvcomp_tracker::state_read(llama
                 throw std::runtime_error("tracker section is for another model");
             }
             io.read(fc[ib].data(), ne * sizeof(float));
-            io.read(fs[ib].data(), ne * sizeof(float));
             for (uint32_t i = 0; i < ne; ++i) {
-                if (!std::isfinite(fc[ib][i]) || !(fs[ib][i] > 0.0f) || !std::isfinite(fs[ib][i])) {
-                    throw std::runtime_error("tracker section is corrupted (offset or scale out of range)");
-                }
-                // this context's graphs leave the scales out: its own can only be 1
-                if (!equalize && replace && fs[ib][i] != 1.0f) {
-                    throw std::runtime_error("the state has K channel scales; this context does not scale K channels "
-                                             "(upstream rotates K here)");
+                if (!std::isfinite(fc[ib][i])) {
+                    throw std::runtime_error("tracker section is corrupted (offset out of range)");
                 }
             }
         }
@@ -518,7 +437,6 @@ std::vector<llama_kvcomp_tracker::affine> llama_kvcomp_tracker::state_read(llama
     if (replace) {
         for (uint32_t ib = 0; ib < n_layers; ++ib) {
             layers[ib].c = fc[ib];
-            layers[ib].s = fs[ib];
         }
         write_offsets();
         pending_read = false;
@@ -526,25 +444,24 @@ std::vector<llama_kvcomp_tracker::affine> llama_kvcomp_tracker::state_read(llama
     }
     bool same = true;
     for (uint32_t ib = 0; ib < n_layers && same; ++ib) {
-        same = fc[ib] == layers[ib].c && fs[ib] == layers[ib].s;
+        same = fc[ib] == layers[ib].c;
     }
     if (same) {
         return maps;
     }
-    // other sequences keep the transform in use: the restored keys move onto it,
-    // (k - c) / s = x · s_f / s + (c_f - c) / s for a row x stored as (k - c_f) / s_f
+    // other sequences keep the offset in use: the restored keys move onto it,
+    // k - c = x + (c_f - c) for a row x stored as k - c_f
     maps.resize(n_layers);
     for (uint32_t ib = 0; ib < n_layers; ++ib) {
         const layer_state & l = layers[ib];
-        maps[ib].a.resize(l.c.size());
+        maps[ib].a.assign(l.c.size(), 1.0f);
         maps[ib].b.resize(l.c.size());
         for (size_t i = 0; i < l.c.size(); ++i) {
-            maps[ib].a[i] = fs[ib][i] / l.s[i];
-            maps[ib].b[i] = (fc[ib][i] - l.c[i]) / l.s[i];
+            maps[ib].b[i] = fc[ib][i] - l.c[i];
         }
         reencode(l.k_main, cells, maps[ib]);
     }
-    LLAMA_LOG_INFO("kvcomp: %zu restored K rows re-encoded onto this context's offsets and scales\n", cells.size());
+    LLAMA_LOG_INFO("kvcomp: %zu restored K rows re-encoded onto this context's offsets\n", cells.size());
     return maps;
 }
 
@@ -556,14 +473,14 @@ void llama_kvcomp_tracker::get_layer_stats(int32_t ib, llama_kvcomp_layer_stats 
     const double n = (double) std::max<int64_t>(1, l.n_rows_measured * l.n_embd_k);
     st.k_rms          = (float) std::sqrt(l.k_energy / n);
     st.k_rmse         = (float) std::sqrt(l.k_err / n);
-    st.k_rmse_offset  = (float) std::sqrt(l.k_err_offset / n);
+    st.k_rmse_offset  = st.k_rmse;
     st.k_rmse_plain   = (float) std::sqrt(l.k_err_plain / n);
     double e = 0.0;
     for (float v : l.c) {
         e += (double) v * v;
     }
     st.k_offset_rms = l.c.empty() ? 0.0f : (float) std::sqrt(e / (double) l.c.size());
-    st.k_range_spread = *std::max_element(l.s.begin(), l.s.end()) / *std::min_element(l.s.begin(), l.s.end());
+    st.k_range_spread = 1.0f;
     const int64_t n_head_v = l.n_embd_v / l.n_embd_head_v;
     st.n_head_kv = (int32_t) n_head_v;
     for (int64_t h = 0; h < LLAMA_KVCOMP_MAX_HEADS; ++h) {

@@ -29,10 +29,7 @@ struct llama_kvcomp_tracker {
         int64_t n_embd_head_v;
     };
 
-    // equalize: whether to scale K channels; off where upstream already rotates K (measured:
-    // after the Hadamard rotation the channels' ranges are alike and scaling them costs ~1%
-    // RMSE, docs/results.md)
-    llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params, bool equalize);
+    llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params);
     ~llama_kvcomp_tracker();
 
     void set_params(const llama_kvcomp_params & p) { params = p; }
@@ -51,11 +48,8 @@ struct llama_kvcomp_tracker {
     // take the same mean (called before anything reads either)
     void resolve() const;
 
-    // Q scaled per channel by s, as attention must see it for the stored (k - c) / s
-    ggml_tensor * scale_q(ggml_context * ctx, ggml_tensor * q, int32_t ib) const;
-
-    // around a RoPE shift of stored K rows ([n_rot, n_head_kv, n_cells]): rows * s + c
-    // before, and (rows - c) / s back
+    // around a RoPE shift of stored K rows ([n_rot, n_head_kv, n_cells]): rows + c
+    // before, and rows - c back
     ggml_tensor * unstore(ggml_context * ctx, ggml_tensor * rows, int32_t ib, bool back) const;
 
     // x · a + b per channel: how rows stored under one transform move onto another
@@ -63,10 +57,10 @@ struct llama_kvcomp_tracker {
         std::vector<float> a, b;
     };
 
-    // The offsets and scales, with the state. A sequence read beside tokens stored under
+    // The offsets, with the state. A sequence read beside tokens stored under
     // another transform has its K rows (cells: those restored) re-encoded onto this one; the
     // maps used are returned (empty when none was needed) for the slot rows the caller
-    // restores. present: whether the state has a tracker part (without, c = 0 and s = 1).
+    // restores. present: whether the state has a tracker part (without, c = 0).
     void state_write(llama_io_write_i & io) const;
     std::vector<affine> state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells, bool replace, bool present);
     static void reencode(ggml_tensor * t, const std::vector<uint64_t> & rows, const affine & map);
@@ -78,11 +72,11 @@ struct llama_kvcomp_tracker {
 
 
 private:
-    // per channel, what one update contributed: the sum and the two largest and two
+    // per channel, what one update contributed: the two largest and two
     // smallest values (enough for a 99.9th percentile over up to 1000 samples)
     struct update_stats {
         uint32_t n = 0;
-        std::vector<float> sum, hi1, hi2, lo1, lo2;
+        std::vector<float> hi1, hi2, lo1, lo2;
     };
 
     struct layer_state {
@@ -92,13 +86,12 @@ private:
         float   alpha = 0.1f;
         // window of the last updates (ring) and its smoothed values, K per channel, V per head
         std::vector<update_stats> k_win, v_win;
-        std::vector<float> k_mean, k_hi, k_lo, v_hi, v_lo;
+        std::vector<float> k_hi, k_lo, v_hi, v_lo;
         bool    warm = false;
         std::vector<float> c; // offset in use (host copy)
-        std::vector<float> s; // channel scales in use (host copy)
-        // running round-trip error sums of the sampled K rows: as stored, with the offset
-        // alone, as they came; and the rows' energy
-        double  k_err = 0.0, k_err_offset = 0.0, k_err_plain = 0.0, k_energy = 0.0;
+        // running round-trip error sums of the sampled K rows: as stored (offset removed) and
+        // as they came; and the rows' energy
+        double  k_err = 0.0, k_err_plain = 0.0, k_energy = 0.0;
         int64_t n_rows_measured = 0;
         std::vector<double> k_err_head, k_energy_head; // the same per KV head, as stored
     };
@@ -107,11 +100,9 @@ private:
     void recompute(layer_state & l);
     void measure(layer_state & l, const float * k_rows, size_t n_rows);
     void write_offsets() const;
-    void set_scales(layer_state & l) const;
     void set_weights(bool calibrating, uint32_t n_sample);
 
     llama_kvcomp_params params;
-    bool equalize;
     // (mutable: resolve() completes the host copy of what the last graph computed)
     mutable std::vector<layer_state> layers;
     uint64_t n_updates = 0;

@@ -31,8 +31,8 @@ struct llama_kvcomp_params {
     float   pin_threshold;  // relative quantization error ||x - deq(q(x))|| / ||x|| of a token above
                             // which it stays exact (0: no outlier pins)
     float   pin_budget;     // most cells pinned as outliers, in per cent of the cache size [0, 100]
-    int32_t tracker;        // 1: the scale tracker runs, removes each layer's K offset and equalizes its
-                            // K channels (Q scaled back in attention), 0: off
+    int32_t tracker;        // 1: the scale tracker runs and removes each layer's K offset, taken from
+                            // the first ubatch a cache holds alone (quantized K only), 0: off
     float   ema_shallow;    // tracker EMA weight α of the first layer, (0, 1]
     float   ema_deep;       // ... of the last layer; layers between are interpolated, (0, 1]
 };
@@ -102,11 +102,11 @@ struct llama_kvcomp_layer_stats {
     int64_t n_rows;         // K rows measured
     float   alpha;          // EMA weight of this layer
     float   k_rms;          // RMS of the measured K rows
-    float   k_rmse;         // round-trip RMSE of those rows as stored (offset removed, channels scaled)
-    float   k_rmse_offset;  // ... with the offset removed but no channel scales
+    float   k_rmse;         // round-trip RMSE of those rows as stored (offset removed)
+    float   k_rmse_offset;  // the same (no channel scales are applied any more)
     float   k_rmse_plain;   // ... had they been stored as they came
     float   k_offset_rms;   // RMS of the K offset in use
-    float   k_range_spread; // largest / smallest K channel scale in use (1: none)
+    float   k_range_spread; // largest / smallest K channel scale in use: always 1 (none are applied)
     float   k_scale[LLAMA_KVCOMP_MAX_HEADS]; // per KV head: largest smoothed half-range of its K channels
     float   v_scale[LLAMA_KVCOMP_MAX_HEADS]; // per KV head: smoothed half-range of its V rows
 };

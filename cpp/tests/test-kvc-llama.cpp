@@ -300,6 +300,71 @@ std::vector<float> decode_shifted(llama_context * ctx, const std::vector<llama_t
     return decode(ctx, next, 48, 49, 1);
 }
 
+// Every operation a llama.cpp user runs on a cache, one after the other on one context: a
+// 7-token prompt, then token by token, ubatches of 16, seq_rm + re-decode, seq_cp, a state
+// round trip and a context shift; the logits of every step, one row after the other.
+std::vector<float> run_ops(llama_context * ctx, const std::vector<llama_token> & toks) {
+    std::vector<float> out;
+    const auto add = [&](const std::vector<float> & l) {
+        out.insert(out.end(), l.begin(), l.end());
+        return !l.empty();
+    };
+    llama_memory_t mem = llama_get_memory(ctx);
+    bool ok = add(decode(ctx, toks, 0, 7, 7, 0, 7)) && add(decode(ctx, toks, 7, 40, 1, 0, 1));
+    ok = ok && add(decode(ctx, toks, 40, 104, 16, 0, 16));
+    ok = ok && llama_memory_seq_rm(mem, 0, 90, -1) && add(decode(ctx, toks, 90, 104, 4, 0, 4));
+    llama_memory_seq_cp(mem, 0, 1, -1, -1);
+    ok = ok && add(decode(ctx, toks, 104, 106, 1, 1, 1)) && add(decode(ctx, toks, 104, 106, 1, 0, 1));
+    std::vector<uint8_t> state(llama_state_get_size(ctx));
+    state.resize(llama_state_get_data(ctx, state.data(), state.size()));
+    ok = ok && llama_state_set_data(ctx, state.data(), state.size()) == state.size();
+    ok = ok && add(decode(ctx, toks, 106, 110, 1, 0, 1));
+    llama_memory_seq_rm(mem, 1, -1, -1);
+    ok = ok && llama_memory_seq_rm(mem, 0, 4, 20);
+    llama_memory_seq_add(mem, 0, 20, -1, -16);
+    ok = ok && add(decode(ctx, toks, 94, 98, 1, 0, 1));
+    return ok ? out : std::vector<float>();
+}
+
+// An unquantized cache holds every row exactly, so no buffer configuration and no tracker
+// may change a single logit (issue 17: sinks and small windows did, by reading the main
+// cells as F32 and the exact rows in another order).
+void test_exact_caches(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
+    struct config {
+        const char * name;
+        int32_t window, sinks;
+        float   pin_threshold;
+    };
+    const config configs[] = {
+        { "window 4",                4, 0, 0.0f },
+        { "1 sink",                  0, 1, 0.0f },
+        { "window 8 + 2 sinks",      8, 2, 0.0f },
+        { "window 32 + 4 sinks + pins", 32, 4, 1e-4f },
+    };
+    for (ggml_type type : { GGML_TYPE_F16, GGML_TYPE_F32 }) {
+        std::vector<float> ref;
+        {
+            ctx_ptr c{ make_ctx(model, type, 2) };
+            ref = run_ops(c.ctx, toks);
+        }
+        rep.check(!ref.empty(), "exact %s: prompt, steps, ubatches, seq_rm, seq_cp, state and shift all run", ggml_type_name(type));
+        for (const config & cf : configs) {
+            llama_kvcomp_params kp = buffer_params(cf.window, cf.sinks);
+            kp.pin_threshold = cf.pin_threshold;
+            kp.tracker       = 1;
+            ctx_ptr c{ make_buffered_ctx(model, kp, type, 2) };
+            const std::vector<float> got = c.ctx ? run_ops(c.ctx, toks) : std::vector<float>();
+            size_t n_diff = 0;
+            for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
+                n_diff += got[i] != ref[i];
+            }
+            rep.check(!got.empty() && got.size() == ref.size() && n_diff == 0,
+                "exact %s with %s and the tracker: every step's logits equal the plain cache's (%zu of %zu differ)",
+                ggml_type_name(type), cf.name, n_diff, ref.size());
+        }
+    }
+}
+
 // The residual buffer (docs/design-residual-buffer.md) on a kvc4 cache.
 //
 // The buffered modes attend an F32 copy of the cache, which upstream's CPU flash attention
@@ -336,9 +401,29 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
         llama_context_params cp = llama_context_default_params();
         cp.n_ctx = 512;
         cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
-        ctx_ptr c{ llama_init_from_model(model, cp) };
         llama_kvcomp_params kp = buffer_params(32, 0);
-        rep.check(c.ctx && llama_kvcomp_configure(c.ctx, &kp) == -2, "buffer: refused without flash attention");
+        // an f16 cache has nothing for the buffer to do, so it needs no flash attention either
+        ctx_ptr f{ llama_init_from_model(model, cp) };
+        cp.type_k = GGML_TYPE_KVC4;
+        ctx_ptr c{ llama_init_from_model(model, cp) };
+        rep.check(c.ctx && llama_kvcomp_configure(c.ctx, &kp) == -2 && f.ctx && llama_kvcomp_configure(f.ctx, &kp) == 0,
+            "buffer: refused without flash attention on a kvc4 K cache, accepted (and off) on an f16 one");
+    }
+    // A split cache's worst-case graph spans every stream: built after the last ubatch ran on
+    // stream 1 alone (here after a context shift), it viewed the slots from that stream on,
+    // past their end, and aborted the process (issue 17)
+    {
+        ctx_ptr c{ make_buffered_ctx(model, buffer_params(32, 4), GGML_TYPE_KVC4, 2, false) };
+        const bool ok = c.ctx && !decode(c.ctx, toks, 0, 64, 64, 1).empty();
+        llama_memory_t mem = c.ctx ? llama_get_memory(c.ctx) : nullptr;
+        const bool rm = ok && llama_memory_seq_rm(mem, 1, 0, 16);
+        if (rm) {
+            llama_memory_seq_add(mem, 1, 16, -1, -16);
+        }
+        std::vector<llama_token> next(toks.begin() + 16, toks.begin() + 66);
+        const auto l1 = rm ? decode(c.ctx, next, 48, 50, 1, 1) : std::vector<float>();
+        const auto l0 = rm ? decode(c.ctx, toks, 0, 8, 8, 0) : std::vector<float>();
+        rep.check(!l1.empty() && !l0.empty(), "buffer split KV: a context shift of stream 1 and the reserve after it run");
     }
     {
         const std::vector<float> w0 = decode_fresh(make_buffered_ctx(model, buffer_params(0, 0)), toks, n, n, nullptr, n_out);
@@ -599,15 +684,6 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
     const std::vector<float> plain = decode_fresh(make_ctx(model, GGML_TYPE_KVC4), toks, n, n);
     const double kl_plain = kl_div(f16, plain);
 
-    // softmax cancels a key offset shared by all keys: on an f16 cache only rounding is left
-    {
-        const std::vector<float> f16_trk = decode_fresh(make_buffered_ctx(model, trk, GGML_TYPE_F16), toks, n, n);
-        // (an offset that attention saw would move the logits as much as the offset is large:
-        // 62% of K's energy)
-        const double kl = kl_div(f16, f16_trk);
-        rep.check(!f16_trk.empty() && kl <= 0.05 * kl_plain, "tracker: the K offset is invisible on an f16 cache: KL %.2e <= 0.05 x plain kvc4's %.2e",
-            kl, kl_plain);
-    }
     {
         ctx_ptr c{ make_buffered_ctx(model, trk) };
         const std::vector<float> l = decode(c.ctx, toks, 0, n, 64);
@@ -625,40 +701,37 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
         rep.check(n_better == n_layers && off > 0.0, "tracker: every layer's K round-trip error is lower with the offset (%d of %d)",
             n_better, n_layers);
     }
-    // once the statistics are smoothed (8 updates), a cache that starts over takes their
-    // offset, and channel scales where K is not rotated (f16 here; upstream rotates kvc4);
-    // Q is scaled back, so an f16 cache still only rounds differently, and kvc4 keeps its
-    // lower error
-    for (ggml_type type : { GGML_TYPE_F16, GGML_TYPE_KVC4 }) {
-        ctx_ptr c{ make_buffered_ctx(model, trk, type) };
-        decode(c.ctx, toks, 0, n, 32);
-        llama_memory_clear(llama_get_memory(c.ctx), true);
-        const std::vector<float> l = decode(c.ctx, toks, 0, n, n);
-        llama_kvcomp_layer_stats ls = {};
-        const bool got = llama_kvcomp_get_layer_stats(c.ctx, 10, &ls) == 0;
-        // f16: the transform must be invisible (Q scaled back exactly); kvc4: the stored rows
-        // must keep their lower error (one token's KL is too noisy a measure of that)
-        const double kl = kl_div(f16, l);
-        const bool scaled = type == GGML_TYPE_F16 ? ls.k_range_spread > 1.0f : ls.k_range_spread == 1.0f;
-        const bool kept = type == GGML_TYPE_F16 ? kl <= 0.05 * kl_plain : ls.k_rmse < 0.8f * ls.k_rmse_plain;
-        rep.check(!l.empty() && got && scaled && kept,
-            "tracker: %s with smoothed offset (layer 10: channel scale spread %.2f, K RMSE %.4f vs %.4f plain): KL to f16 %.2e",
-            ggml_type_name(type), ls.k_range_spread, ls.k_rmse, ls.k_rmse_plain, kl);
+    // isolation: a sequence that starts over in an emptied cache computes what it computes in
+    // a fresh context, whatever the cache served before (issue 17: the offset came from the
+    // smoothed statistics of earlier sequences once they had 8 updates)
+    for (const llama_kvcomp_params & p : { trk, buffer_params(32, 4, 32) }) {
+        llama_kvcomp_params kp = p;
+        kp.tracker = 1;
+        const std::vector<float> fresh = decode_fresh(make_buffered_ctx(model, kp), toks, n, 64, nullptr, 8);
+        ctx_ptr c{ make_buffered_ctx(model, kp) };
+        std::vector<llama_token> other(toks.rbegin(), toks.rbegin() + 160);
+        decode(c.ctx, other, 0, 160, 8);
+        llama_memory_seq_rm(llama_get_memory(c.ctx), 0, -1, -1);
+        const std::vector<float> later = decode(c.ctx, toks, 0, n, 64, 0, 8);
+        rep.check(!fresh.empty() && later == fresh,
+            "tracker isolation (window %d): after 20 ubatches of other text and seq_rm, a sequence is bit-identical to a fresh context's",
+            kp.window);
     }
     // a context shift puts the offset back around RoPE, on the main rows and on the slots
     {
         auto shifted = [&](llama_context * ctx) { return decode_shifted(ctx, toks); };
-        std::vector<float> ref, on_f16, on_slots;
+        std::vector<float> ref, on_kvc8, plain_kvc8, on_slots;
         {
             ctx_ptr c{ make_ctx(model, GGML_TYPE_F16) };
             ref = shifted(c.ctx);
         }
         {
-            // warm first, so the shift also carries channel scales
-            ctx_ptr c{ make_buffered_ctx(model, trk, GGML_TYPE_F16) };
-            decode(c.ctx, toks, 0, n, 32);
-            llama_memory_clear(llama_get_memory(c.ctx), true);
-            on_f16 = shifted(c.ctx);
+            ctx_ptr c{ make_buffered_ctx(model, trk, GGML_TYPE_KVC8) };
+            on_kvc8 = shifted(c.ctx);
+        }
+        {
+            ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC8) };
+            plain_kvc8 = shifted(c.ctx);
         }
         {
             llama_kvcomp_params p = buffer_params(512, 0);
@@ -666,12 +739,13 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
             ctx_ptr c{ make_buffered_ctx(model, p) };
             on_slots = shifted(c.ctx);
         }
-        // With the offset left out of the RoPE the f16 cache lands at 1.4e-1 on this max-logit
-        // metric; done right it is within f16's own spread across kernels and roundings (the
-        // K rows are stored as k - c, so they round differently).
-        rep.check(!on_f16.empty() && rel_diff(on_f16, ref) <= 6e-2 && !on_slots.empty() && rel_diff(on_slots, ref) <= 3e-2,
-            "tracker: after a context shift, f16 cache %.2e <= 6e-2, kvc4 with every key in a slot %.2e <= 3e-2",
-            rel_diff(on_f16, ref), rel_diff(on_slots, ref));
+        // With the offset left out of the RoPE the shifted keys land at 1.4e-1 on this
+        // max-logit metric (measured on an f16 cache); done right, kvc8 with the offset is as
+        // close to f16's shift as plain kvc8 is, within f16's own spread across kernels.
+        rep.check(!on_kvc8.empty() && rel_diff(on_kvc8, ref) <= rel_diff(plain_kvc8, ref) + 3e-2 && !on_slots.empty() &&
+                  rel_diff(on_slots, ref) <= 3e-2,
+            "tracker: after a context shift, kvc8 %.2e <= plain kvc8's %.2e + 3e-2, kvc4 with every key in a slot %.2e <= 3e-2",
+            rel_diff(on_kvc8, ref), rel_diff(plain_kvc8, ref), rel_diff(on_slots, ref));
     }
     // state: whole context bit-exact; a sequence loaded beside other tokens (other offsets) is
     // re-encoded onto the context's offsets and goes on like its source, up to one more rounding
@@ -908,6 +982,7 @@ int main(int argc, char ** argv) {
         }
     }
     if (n >= 300) {
+        test_exact_caches(rep, model, toks);
         test_residual_buffer(rep, model, toks);
         test_tracker(rep, model, toks);
         test_monitor(rep, model, toks);
