@@ -1,4 +1,6 @@
-"""Runs the C++ tests (cpp/tests) and requires every check in them to pass; test-kvc-llama gets SmolLM2."""
+"""Runs the C++ tests (cpp/tests) and requires every check in them to pass. test-kvc-llama gets
+SmolLM2; the differential fuzzer test-kvc-fuzz gets its F32 copy (on the Q4_1 file any kernel
+change is a fresh draw of quantization noise, which would hide what the buffer does) and 120 s."""
 
 from __future__ import annotations
 
@@ -8,10 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from ggml_kvcomp import models
 
-@pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-llama"])
-def test_cpp(bins: Path, model: Path, name: str) -> None:
-    args = [str(bins / name)] + ([str(model)] if name == "test-kvc-llama" else [])
+MODELS: dict[str, tuple[str, list[str]]] = {"test-kvc-llama": ("smollm2-135m", []), "test-kvc-fuzz": ("smollm2-135m-f32", ["120"])}
+
+
+@pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-llama", "test-kvc-fuzz"])
+def test_cpp(bins: Path, name: str) -> None:
+    args = [str(bins / name)]
+    if name in MODELS:
+        model, extra = MODELS[name]
+        args += [str(models.fetch_model(model)), *extra]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
     m = re.search(r"(\d+) passed, (\d+) failed", proc.stdout)
     assert m, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -250,6 +250,18 @@ int32_t llama_kvcomp_get_stats(llama_context * ctx, llama_kvcomp_stats * stats) 
     return 0;
 }
 
+int32_t llama_kvcomp_seq_rm_exact(llama_context * ctx, llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    if (!ctx) {
+        return -1;
+    }
+    for (const llama_kv_cache * kv : llama_kvcomp_caches(ctx)) {
+        if (!llama_kvcomp_buffer::rm_keeps_exact(*kv, seq_id, p0, p1)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 int32_t llama_kvcomp_get_layer_stats(llama_context * ctx, int32_t il, llama_kvcomp_layer_stats * stats) {
     if (!stats) {
         return -1;

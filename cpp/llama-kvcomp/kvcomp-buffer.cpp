@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <stdexcept>
 
@@ -150,7 +151,7 @@ void llama_kvcomp_buffer::slot_norms(int32_t ib, std::vector<float> & k_l2, std:
         std::vector<double> acc(out.size(), 0.0);
         for (size_t st = 0; st < maps.size(); ++st) {
             for (uint32_t s = 0; s < n_slots(); ++s) {
-                if (maps[st].slot_kinds[s] == SLOT_KIND_FREE) {
+                if (maps[st].slot_kinds[s] == SLOT_KIND_FREE || maps[st].slot_kinds[s] == SLOT_KIND_SPARE) {
                     continue;
                 }
                 ggml_backend_tensor_get(t, raw.data(), (st * n_rows() + s) * t->nb[1], t->nb[1]);
@@ -240,7 +241,7 @@ float llama_kvcomp_buffer::measure(const llama_kv_cache & kv, uint32_t strm, uin
 // least harmful pin making room for a worse one; everything else is released.
 void llama_kvcomp_buffer::pin_or_free(stream_map & m, uint32_t s) {
     if (params.pin_threshold <= 0.0f || m.slot_err[s] <= params.pin_threshold || pin_budget == 0) {
-        free_slot(m, s);
+        m.slot_kinds[s] = SLOT_KIND_SPARE;
         return;
     }
     uint32_t n_pinned = 0;
@@ -256,7 +257,7 @@ void llama_kvcomp_buffer::pin_or_free(stream_map & m, uint32_t s) {
     if (n_pinned >= pin_budget) {
         if (m.slot_err[weakest] >= m.slot_err[s]) {
             evicted_err_max = std::max(evicted_err_max, m.slot_err[s]);
-            free_slot(m, s);
+            m.slot_kinds[s] = SLOT_KIND_SPARE;
             return;
         }
         evicted_err_max = std::max(evicted_err_max, m.slot_err[weakest]);
@@ -320,8 +321,24 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
         }
     }
 
-    // a cell that was removed, overwritten (now or by a state load) or moved no longer
-    // matches the row in its slot; rows written by the last ubatch get their error measured
+    // whether a query of this ubatch or a later one sees the row of cell c exactly
+    const auto wanted = [&](int32_t c, llama_pos pos) {
+        for (llama_seq_id seq = 0; seq < LLAMA_MAX_SEQ; ++seq) {
+            if (!cells.seq_has(c, seq)) {
+                continue;
+            }
+            const auto it = first_query.find(seq);
+            if (is_exact(pos, it != first_query.end() ? it->second : cells.seq_pos_max(seq) + 1, false)) {
+                return true;
+            }
+        }
+        return false;
+    };
+
+    // A cell that was removed, overwritten (now or by a state load) or moved no longer
+    // matches the row in its slot; rows written by the last ubatch get their error measured.
+    // A spare (a released row kept while its slot is not needed) that a query sees exactly
+    // again, after its sequence was cut back, is a row again.
     uint32_t n_used = 0;
     for (uint32_t s = 0; s < n_slots(); ++s) {
         const int32_t c = m.slot_cell[s];
@@ -331,6 +348,12 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
         if (cells.is_empty(c) || cells.pos_get(c) != m.slot_pos[s] || m.cell_ub[c] >= 0) {
             free_slot(m, s);
             continue;
+        }
+        if (m.slot_kinds[s] == SLOT_KIND_SPARE) {
+            if (!wanted(c, m.slot_pos[s])) {
+                continue;
+            }
+            m.slot_kinds[s] = SLOT_KIND_ROW;
         }
         if (m.slot_kinds[s] == SLOT_KIND_STAGED) {
             m.slot_err[s] = measure(kv, strm, s);
@@ -357,20 +380,12 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
         ++n_merges;
         for (uint32_t s = 0; s < n_slots(); ++s) {
             const int32_t c = m.slot_cell[s];
-            if (c < 0 || m.slot_kinds[s] == SLOT_KIND_PINNED || m.slot_pos[s] < params.sinks) {
+            if (c < 0 || m.slot_kinds[s] == SLOT_KIND_PINNED || m.slot_kinds[s] == SLOT_KIND_SPARE || m.slot_pos[s] < params.sinks) {
                 continue;
             }
-            bool keep = false;
-            for (llama_seq_id seq = 0; seq < LLAMA_MAX_SEQ && !keep; ++seq) {
-                if (!cells.seq_has(c, seq)) {
-                    continue;
-                }
-                const auto it = first_query.find(seq);
-                keep = is_exact(m.slot_pos[s], it != first_query.end() ? it->second : cells.seq_pos_max(seq) + 1, false);
-            }
-            if (!keep) {
+            if (!wanted(c, m.slot_pos[s])) {
                 pin_or_free(m, s);
-                n_released += m.slot_kinds[s] == SLOT_KIND_FREE;
+                n_released += m.slot_kinds[s] == SLOT_KIND_SPARE;
             }
         }
     }
@@ -389,22 +404,31 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
             continue;
         }
         const llama_pos pos = ubatch.pos[i0 + i];
+        const auto available = [&](uint32_t t) { return m.slot_cell[t] < 0 || m.slot_kinds[t] == SLOT_KIND_SPARE; };
         int32_t s = -1;
-        if (m.slot_cell[pos % n_slots()] < 0) {
+        if (available(pos % n_slots())) {
             s = pos % n_slots();
         } else {
             while (next_free < n_slots() && m.slot_cell[next_free] >= 0) {
                 ++next_free;
             }
-            if (next_free == n_slots()) {
+            // no free slot: the spare of the oldest position, which a cut-back reaches last
+            uint32_t pick = next_free;
+            for (uint32_t t = 0; t < n_slots() && next_free == n_slots(); ++t) {
+                if (m.slot_kinds[t] == SLOT_KIND_SPARE && (pick == n_slots() || m.slot_pos[t] < m.slot_pos[pick])) {
+                    pick = t;
+                }
+            }
+            if (pick == n_slots()) {
                 // pins and rows still in some window fill every slot: the token is attended
                 // through its quantized row, which is correct, only not exact
                 LLAMA_LOG_WARN("%s: residual buffer full, position %d stays quantized\n", __func__, pos);
                 ++n_overflow;
                 continue;
             }
-            s = (int32_t) next_free;
+            s = (int32_t) pick;
         }
+        free_slot(m, (uint32_t) s);
         set_slot(m, (uint32_t) s, cells_ub[i], pos, params.pin_threshold > 0.0f ? SLOT_KIND_STAGED : SLOT_KIND_ROW);
     }
 }
@@ -616,6 +640,41 @@ ggml_tensor * llama_kvcomp_buffer::build_shift(const llama_kv_cache & kv, ggml_c
     return shift_rows(kv, ctx0, cparams, view, shift, rot, factors, freq_base, freq_scale, il);
 }
 
+bool llama_kvcomp_buffer::rm_keeps_exact(const llama_kv_cache & kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    const llama_kvcomp_buffer * b = kv.kvcomp.get();
+    if (!b || !b->buffered) {
+        return true;
+    }
+    p0 = std::max<llama_pos>(p0, 0);
+    p1 = p1 < 0 ? std::numeric_limits<llama_pos>::max() : p1;
+    for (uint32_t strm = 0; strm < b->maps.size(); ++strm) {
+        const auto & cells = kv.v_cells[strm];
+        const stream_map & m = b->maps[strm];
+        for (llama_seq_id seq = seq_id < 0 ? 0 : seq_id; seq < (seq_id < 0 ? LLAMA_MAX_SEQ : seq_id + 1); ++seq) {
+            const llama_pos max = cells.seq_pos_max(seq);
+            if (max < 0 || p0 > max) {
+                continue;
+            }
+            // the position the sequence's next token gets once the range is gone
+            const llama_pos next = p1 > max ? p0 : max + 1;
+            for (uint32_t c = 0; c < cells.size(); ++c) {
+                if (cells.is_empty(c) || !cells.seq_has(c, seq)) {
+                    continue;
+                }
+                const llama_pos pos = cells.pos_get(c);
+                if ((pos >= p0 && pos < p1) || !b->is_exact(pos, next, false)) {
+                    continue;
+                }
+                const int32_t s = m.cell_slot[c];
+                if (s < 0 || m.slot_pos[s] != pos) {
+                    return false;
+                }
+            }
+        }
+    }
+    return true;
+}
+
 void llama_kvcomp_buffer::copy_stream(uint32_t ssrc, uint32_t sdst) {
     std::vector<uint8_t> tmp;
     for (const auto * bufs : { &k_buf, &v_buf }) {
@@ -660,7 +719,8 @@ void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cach
             if (seq_id != -1 && llama_hparams::is_masked_swa(kv.n_swa, kv.swa_type, cells.pos_get(c), cells.seq_pos_max(seq_id))) {
                 continue;
             }
-            if (m.cell_slot[c] >= 0 && m.slot_pos[m.cell_slot[c]] == cells.pos_get(c)) {
+            if (m.cell_slot[c] >= 0 && m.slot_pos[m.cell_slot[c]] == cells.pos_get(c) &&
+                m.slot_kinds[m.cell_slot[c]] != SLOT_KIND_SPARE) {
                 entry_rank.push_back(rank);
                 entry_slot.push_back((uint32_t) m.cell_slot[c]);
             }
@@ -767,7 +827,7 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
             std::vector<float> errs(n_entries);
             std::vector<bool> taken(n_slots(), false);
             for (uint32_t s = 0; s < n_slots(); ++s) {
-                taken[s] = m.slot_cell[s] >= 0;
+                taken[s] = m.slot_cell[s] >= 0 && m.slot_kinds[s] != SLOT_KIND_SPARE;
             }
             for (uint32_t e = 0; e < n_entries; ++e) {
                 uint32_t r, s;
@@ -831,7 +891,7 @@ llama_kvcomp_stats llama_kvcomp_buffer::get_stats() const {
     st.evicted_err_max = evicted_err_max;
     for (const stream_map & m : maps) {
         for (uint32_t s = 0; s < n_slots(); ++s) {
-            if (m.slot_kinds[s] == SLOT_KIND_FREE) {
+            if (m.slot_kinds[s] == SLOT_KIND_FREE || m.slot_kinds[s] == SLOT_KIND_SPARE) {
                 continue;
             }
             ++st.n_used;

@@ -108,6 +108,10 @@ struct llama_kvcomp_buffer {
                               ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors,
                               float freq_base, float freq_scale, uint32_t il) const;
 
+    // Whether seq_rm(seq_id, p0, p1) on kv (with or without a buffer) leaves the exact copy of
+    // every row that the sequence's next query sees exactly (llama_kvcomp_seq_rm_exact).
+    static bool rm_keeps_exact(const llama_kv_cache & kv, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+
     // Split KV: a sequence copied to another stream takes that stream's slots along.
     void copy_stream(uint32_t ssrc, uint32_t sdst);
 
@@ -124,6 +128,8 @@ private:
         SLOT_KIND_ROW,    // an exact row, released once no query sees it exactly
         SLOT_KIND_STAGED, // written by the last ubatch, its error not measured yet
         SLOT_KIND_PINNED, // an outlier, exact for every later query
+        SLOT_KIND_SPARE,  // a released row, kept until its slot is needed: a sequence cut back
+                          // behind it finds its exact row again (seq_rm + re-decode)
     };
 
     // The slot map of one KV stream; slot s of stream st is row st * (n_slots + 1) + s.

@@ -148,7 +148,8 @@ std::vector<common_arg> common_kvcomp_args() {
         {"--kv-comp"}, "MODE",
         "kvcomp preset: off, low-latency (kvc4 K/V + scale tracker), balanced (kvc4 K, kvc3 V, 32-position window, "
         "merge every 32 steps), high-precision (kvc8 K and V, 32-position window, merge every 8 steps); sets -ctk/-ctv "
-        "unless given, turns -fa on, and --kv-comp-* flags override its knobs (default: off)",
+        "unless given and -fa on unless -fa is given (every mode but off has a quantized V cache, so -fa off is refused "
+        "with it unless -ctv f16 is given too); --kv-comp-* flags override its knobs (default: off)",
         [](common_params & params, const std::string & value) {
             kvcomp_set_mode(params, value);
         }
@@ -156,7 +157,7 @@ std::vector<common_arg> common_kvcomp_args() {
     args.push_back(common_arg(
         {"--kv-comp-window"}, "W",
         "kvcomp residual buffer: the newest W positions stay exact (F16) for every query (default: 0, off; "
-        "needs -fa on and a unified KV cache)",
+        "needs -fa on; on an f16/f32 cache, which is exact already, it stays off)",
         [](common_params & params, int value) {
             kvcomp_set(params, "--kv-comp-window", KVCOMP_KNOB_WINDOW, &llama_kvcomp_params::window, value);
         }
@@ -303,6 +304,26 @@ static void kvcomp_log_config(const llama_kvcomp_params & p, ggml_type type_k, g
     LOG_INF("kvcomp: monitor        = on (window %d tokens, degrade after %d windows above %.2f x baseline %s, "
             "fill warning %.2f, L2 jump %.1f)\n", m.ppl_window, m.degrade_windows, m.degrade_ratio, baseline.c_str(),
             m.fill_warn, m.l2_jump);
+}
+
+bool common_kvcomp_check(const common_params & params) {
+    const llama_kvcomp_params & p = params.kvcomp;
+    const bool preset = p.mode != LLAMA_KVCOMP_MODE_OFF && p.mode != LLAMA_KVCOMP_MODE_CUSTOM;
+    if (params.flash_attn_type != LLAMA_FLASH_ATTN_TYPE_DISABLED || !ggml_is_quantized(params.cache_type_v)) {
+        return true;
+    }
+    if (preset) {
+        LOG_ERR("kvcomp: --kv-comp %s stores V as %s, which needs flash attention, and -fa off was given: drop -fa off "
+                "(the mode turns flash attention on), or keep it and add -ctv f16\n", llama_kvcomp_mode_name(p.mode),
+                ggml_type_name(params.cache_type_v));
+        return false;
+    }
+    if (std::strncmp(ggml_type_name(params.cache_type_v), "kvc", 3) == 0) {
+        LOG_ERR("kvcomp: -ctv %s needs flash attention, and -fa off was given: use -fa on, or -ctv f16\n",
+                ggml_type_name(params.cache_type_v));
+        return false;
+    }
+    return true;
 }
 
 bool common_kvcomp_apply(llama_context * ctx, const common_params & params) {

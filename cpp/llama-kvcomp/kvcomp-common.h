@@ -12,6 +12,10 @@ struct common_params;
 // The --kv-comp-* flags, for common_params_parser_init.
 std::vector<common_arg> common_kvcomp_args();
 
+// Before the context is created: refuses, with the fix in the message, what upstream would
+// refuse less clearly (a mode's quantized V cache with -fa off).
+bool common_kvcomp_check(const common_params & params);
+
 // Applies params.kvcomp to a freshly created context; logs the reason and returns false
 // when the combination is not supported.
 bool common_kvcomp_apply(llama_context * ctx, const common_params & params);

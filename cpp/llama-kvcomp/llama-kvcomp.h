@@ -92,6 +92,14 @@ struct llama_kvcomp_stats {
 // Returns 0 and fills stats, or -1 when the context has no residual buffer.
 LLAMA_API int32_t llama_kvcomp_get_stats(struct llama_context * ctx, struct llama_kvcomp_stats * stats);
 
+// Whether llama_memory_seq_rm(seq_id, p0, p1) would keep the exact copy of every row that the
+// sequence's next query sees exactly: 1 yes (always without a buffer), 0 no, -1 no context.
+// A cut-back behind rows the buffer has released (they are kept while their slots are not
+// needed) would give the re-decoded tokens quantized keys where a fresh run has exact ones;
+// a caller that must match a fresh run clears the sequence and decodes it again instead
+// (llama-server does, for a reused prompt).
+LLAMA_API int32_t llama_kvcomp_seq_rm_exact(struct llama_context * ctx, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+
 #define LLAMA_KVCOMP_MAX_HEADS 16
 
 // The scale tracker's view of one layer. RMSEs are over the K rows it sampled, in the values

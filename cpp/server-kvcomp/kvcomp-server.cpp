@@ -6,6 +6,10 @@
 #include "llama.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -29,14 +33,66 @@ static server_http_res_ptr kvcomp_error(const std::string & message, error_type 
     return res;
 }
 
+// The series of the last context seen, kept monotonic across contexts. A sleeping server
+// (--sleep-idle-seconds) has freed its context: the monitor of the last one is still
+// registered under its address (only a name here, never dereferenced), so its final values
+// go on being exported. A context created on waking starts its counters at 0; each counter
+// then continues from where the last one ended, as Prometheus treats a counter reset.
+struct kvcomp_metrics_state {
+    std::mutex mtx;
+    llama_context * last_ctx = nullptr;
+    std::map<std::string, double> seen; // counter series -> value last exported by its monitor
+    std::map<std::string, double> base; // ... -> what earlier monitors had counted
+};
+
+static std::string kvcomp_monotonic(kvcomp_metrics_state & st, const std::string & text) {
+    std::string out;
+    size_t pos = 0;
+    while (pos < text.size()) {
+        size_t end = text.find('\n', pos);
+        end = end == std::string::npos ? text.size() : end + 1;
+        std::string line = text.substr(pos, end - pos);
+        pos = end;
+        const size_t sp = line.rfind(' ');
+        const std::string series = sp == std::string::npos ? "" : line.substr(0, sp);
+        const std::string name = series.substr(0, series.find('{'));
+        if (line.empty() || line[0] == '#' || name.size() < 6 || name.compare(name.size() - 6, 6, "_total") != 0) {
+            out += line;
+            continue;
+        }
+        double v = 0.0;
+        try {
+            v = std::stod(line.substr(sp + 1));
+        } catch (const std::exception &) {
+            out += line;
+            continue;
+        }
+        const auto it = st.seen.find(series);
+        if (it != st.seen.end() && v < it->second) {
+            st.base[series] += it->second;
+        }
+        st.seen[series] = v;
+        char num[32];
+        snprintf(num, sizeof(num), "%.17g", st.base[series] + v);
+        out += series + " " + num + "\n";
+    }
+    return out;
+}
+
 server_http_context::handler_t kvcomp_server_metrics_handler(server_http_context::handler_t upstream,
                                                              std::function<llama_context *()> get_ctx) {
-    return [upstream = std::move(upstream), get_ctx = std::move(get_ctx)](const server_http_req & req) -> server_http_res_ptr {
+    auto st = std::make_shared<kvcomp_metrics_state>();
+    return [upstream = std::move(upstream), get_ctx = std::move(get_ctx), st](const server_http_req & req) -> server_http_res_ptr {
         server_http_res_ptr res = upstream(req);
+        if (!res || res->status != 200 || res->is_stream()) {
+            return res;
+        }
+        std::lock_guard<std::mutex> lock(st->mtx);
+        llama_context * ctx = get_ctx();
+        st->last_ctx = ctx ? ctx : st->last_ctx;
         std::string text;
-        if (res && res->status == 200 && !res->is_stream() &&
-            kvcomp_snapshot_string(get_ctx(), LLAMA_KVCOMP_FORMAT_PROMETHEUS, -1, text)) {
-            res->data += text;
+        if (kvcomp_snapshot_string(st->last_ctx, LLAMA_KVCOMP_FORMAT_PROMETHEUS, -1, text)) {
+            res->data += kvcomp_monotonic(*st, text);
         }
         return res;
     };

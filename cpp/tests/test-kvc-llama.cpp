@@ -17,6 +17,7 @@
 // K offset invisible to attention on an f16 cache, lower error on kvc4, context shift and
 // state round trips with the offset, and a sequence loaded into a cache with other offsets.
 
+#include "kvc-llama-util.h"
 #include "kvc-test-util.h"
 #include "llama.h"
 #include "llama-kvcomp.h"
@@ -31,58 +32,6 @@ using namespace kvc_test;
 namespace {
 
 constexpr int N_PROMPT = 96;
-
-struct ctx_ptr {
-    llama_context * ctx = nullptr;
-    ~ctx_ptr() { llama_free(ctx); }
-};
-
-llama_context * make_ctx(llama_model * model, ggml_type type, uint32_t n_seq_max = 1, bool unified = true) {
-    llama_context_params cp = llama_context_default_params();
-    cp.n_ctx           = 512;
-    cp.n_batch         = 512;
-    cp.n_ubatch        = 512;
-    cp.n_seq_max       = n_seq_max;
-    cp.n_threads       = 2;
-    cp.n_threads_batch = 2;
-    cp.type_k          = type;
-    cp.type_v          = type;
-    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
-    cp.kv_unified      = unified;
-    return llama_init_from_model(model, cp);
-}
-
-// Decodes tokens [i0, i1) of seq at positions i0.., in pieces of `chunk`; returns the logits
-// of the last n_out tokens, one row of n_vocab after the other.
-std::vector<float> decode(llama_context * ctx, const std::vector<llama_token> & toks, int i0, int i1, int chunk,
-                          llama_seq_id seq = 0, int n_out = 1) {
-    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
-    llama_batch batch = llama_batch_init(chunk, 0, 1);
-    std::vector<float> out;
-    for (int s = i0; s < i1; s += chunk) {
-        const int n = std::min(chunk, i1 - s);
-        batch.n_tokens = n;
-        for (int j = 0; j < n; ++j) {
-            batch.token[j]     = toks[s + j];
-            batch.pos[j]       = s + j;
-            batch.n_seq_id[j]  = 1;
-            batch.seq_id[j][0] = seq;
-            batch.logits[j]    = s + j >= i1 - n_out;
-        }
-        if (llama_decode(ctx, batch) != 0) {
-            llama_batch_free(batch);
-            return {};
-        }
-        for (int j = 0; j < n; ++j) {
-            if (batch.logits[j]) {
-                const float * l = llama_get_logits_ith(ctx, j);
-                out.insert(out.end(), l, l + n_vocab);
-            }
-        }
-    }
-    llama_batch_free(batch);
-    return out;
-}
 
 llama_kvcomp_stats stats_of(llama_context * ctx) {
     llama_kvcomp_stats st = {};
@@ -115,24 +64,6 @@ double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
         den = std::max(den, (double) std::fabs(b[i]));
     }
     return num / den;
-}
-
-// KL(softmax(ref) || softmax(a)) of one token's logits.
-double kl_row(const float * ref, const float * a, size_t n) {
-    const double mr = *std::max_element(ref, ref + n);
-    const double ma = *std::max_element(a, a + n);
-    double zr = 0.0, za = 0.0;
-    for (size_t i = 0; i < n; ++i) {
-        zr += std::exp(ref[i] - mr);
-        za += std::exp(a[i] - ma);
-    }
-    double k = 0.0;
-    for (size_t i = 0; i < n; ++i) {
-        const double lr = ref[i] - mr - std::log(zr);
-        const double la = a[i] - ma - std::log(za);
-        k += std::exp(lr) * (lr - la);
-    }
-    return k;
 }
 
 double kl_div(const std::vector<float> & ref, const std::vector<float> & a) {
@@ -507,6 +438,35 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
     }
 
     const llama_kvcomp_params kp = buffer_params(32, 4);
+
+    // A reused prompt (llama-server's prompt cache, llama-cpp-python's prefix reuse): after
+    // generating, the cache is cut back to the prompt and its last token decoded again. The
+    // window's rows left it during the generation; kept as spares, they are exact again, so
+    // the token sees what a fresh run sees, bit for bit (issue 17: it saw their quantized rows).
+    // A generation long enough to reuse their slots is reported by llama_kvcomp_seq_rm_exact.
+    {
+        const llama_kvcomp_params bal = buffer_params(32, 4, 32);
+        std::vector<float> fresh, reused;
+        {
+            ctx_ptr c{ make_buffered_ctx(model, bal) };
+            decode(c.ctx, toks, 0, 99, 99);
+            fresh = decode(c.ctx, toks, 99, 100, 1);
+        }
+        int32_t exact_short = -1, exact_long = -1;
+        {
+            ctx_ptr c{ make_buffered_ctx(model, bal) };
+            decode(c.ctx, toks, 0, 99, 99);
+            decode(c.ctx, toks, 99, 163, 1);
+            exact_short = llama_kvcomp_seq_rm_exact(c.ctx, 0, 99, -1);
+            llama_memory_seq_rm(llama_get_memory(c.ctx), 0, 99, -1);
+            reused = decode(c.ctx, toks, 99, 100, 1);
+            decode(c.ctx, toks, 100, 300, 1);
+            exact_long = llama_kvcomp_seq_rm_exact(c.ctx, 0, 99, -1);
+        }
+        rep.check(!fresh.empty() && reused == fresh && exact_short == 1 && exact_long == 0,
+            "buffer: a prompt reused after 64 generated tokens is bit-identical to a fresh run (rm exact: %d after 64, %d after 201)",
+            exact_short, exact_long);
+    }
 
     // seq_cp: unified, the copy shares the cells and their slots; split, the stream is
     // copied with its slots

@@ -1,0 +1,84 @@
+#pragma once
+
+// Helpers of the C++ tests that run a real model through llama (test-kvc-llama,
+// test-kvc-fuzz): contexts, decoding, and the KL divergence of logits.
+
+#include "llama.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace kvc_test {
+
+struct ctx_ptr {
+    llama_context * ctx = nullptr;
+    ~ctx_ptr() { llama_free(ctx); }
+};
+
+inline llama_context * make_ctx(llama_model * model, ggml_type type, uint32_t n_seq_max = 1, bool unified = true) {
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx           = 512;
+    cp.n_batch         = 512;
+    cp.n_ubatch        = 512;
+    cp.n_seq_max       = n_seq_max;
+    cp.n_threads       = 2;
+    cp.n_threads_batch = 2;
+    cp.type_k          = type;
+    cp.type_v          = type;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    cp.kv_unified      = unified;
+    return llama_init_from_model(model, cp);
+}
+
+// Decodes tokens [i0, i1) of seq at positions i0.., in pieces of `chunk`; returns the logits
+// of the last n_out tokens, one row of n_vocab after the other.
+inline std::vector<float> decode(llama_context * ctx, const std::vector<llama_token> & toks, int i0, int i1, int chunk,
+                                 llama_seq_id seq = 0, int n_out = 1) {
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    llama_batch batch = llama_batch_init(chunk, 0, 1);
+    std::vector<float> out;
+    for (int s = i0; s < i1; s += chunk) {
+        const int n = std::min(chunk, i1 - s);
+        batch.n_tokens = n;
+        for (int j = 0; j < n; ++j) {
+            batch.token[j]     = toks[s + j];
+            batch.pos[j]       = s + j;
+            batch.n_seq_id[j]  = 1;
+            batch.seq_id[j][0] = seq;
+            batch.logits[j]    = s + j >= i1 - n_out;
+        }
+        if (llama_decode(ctx, batch) != 0) {
+            llama_batch_free(batch);
+            return {};
+        }
+        for (int j = 0; j < n; ++j) {
+            if (batch.logits[j]) {
+                const float * l = llama_get_logits_ith(ctx, j);
+                out.insert(out.end(), l, l + n_vocab);
+            }
+        }
+    }
+    llama_batch_free(batch);
+    return out;
+}
+
+// KL(softmax(ref) || softmax(a)) of one token's logits.
+inline double kl_row(const float * ref, const float * a, size_t n) {
+    const double mr = *std::max_element(ref, ref + n);
+    const double ma = *std::max_element(a, a + n);
+    double zr = 0.0, za = 0.0;
+    for (size_t i = 0; i < n; ++i) {
+        zr += std::exp(ref[i] - mr);
+        za += std::exp(a[i] - ma);
+    }
+    double k = 0.0;
+    for (size_t i = 0; i < n; ++i) {
+        const double lr = ref[i] - mr - std::log(zr);
+        const double la = a[i] - ma - std::log(za);
+        k += std::exp(lr) * (lr - la);
+    }
+    return k;
+}
+
+} // namespace kvc_test
