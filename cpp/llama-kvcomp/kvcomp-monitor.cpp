@@ -312,6 +312,8 @@ std::string llama_kvcomp_monitor::text(int32_t format, int32_t layer) const {
         o.family("mode", "gauge", "Mode in force: 0 off, 1 low-latency, 2 balanced, 3 high-precision, 4 custom.");
         snprintf(lb, sizeof(lb), "{mode=\"%s\"}", mode_str(snap.mode));
         o.sample("mode", lb, snap.mode);
+        o.family("monitor_start_time_seconds", "gauge", "When this monitor's counters started at 0 (seconds of ggml's clock).");
+        o.sample("monitor_start_time_seconds", "", 1e-6 * (double) t_start_us);
 
         struct head_series { const char * name; const char * help; float llama_kvcomp_head_snapshot::*field; };
         const head_series hs[] = {

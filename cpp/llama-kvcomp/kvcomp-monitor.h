@@ -58,6 +58,8 @@ private:
 
     llama_context * ctx;
     llama_kvcomp_monitor_params params = llama_kvcomp_monitor_default_params();
+    // when its counters started at 0 (exported, so that a reader sees a new monitor)
+    const int64_t t_start_us = ggml_time_us();
 
     // decoding thread only
     int64_t n_ubatches = 0;

@@ -36,16 +36,27 @@ static server_http_res_ptr kvcomp_error(const std::string & message, error_type 
 // The series of the last context seen, kept monotonic across contexts. A sleeping server
 // (--sleep-idle-seconds) has freed its context: the monitor of the last one is still
 // registered under its address (only a name here, never dereferenced), so its final values
-// go on being exported. A context created on waking starts its counters at 0; each counter
-// then continues from where the last one ended, as Prometheus treats a counter reset.
+// go on being exported. A context created on waking has a new monitor (its start time says
+// so) whose counters start at 0; each counter continues from where the last one ended.
 struct kvcomp_metrics_state {
     std::mutex mtx;
     llama_context * last_ctx = nullptr;
-    std::map<std::string, double> seen; // counter series -> value last exported by its monitor
+    std::string start;                  // the exporting monitor's start time, as exported
+    std::map<std::string, double> seen; // counter series -> value last exported by that monitor
     std::map<std::string, double> base; // ... -> what earlier monitors had counted
 };
 
 static std::string kvcomp_monotonic(kvcomp_metrics_state & st, const std::string & text) {
+    static const std::string start_series = "llamacpp:kvcomp_monitor_start_time_seconds ";
+    const size_t at = text.find("\n" + start_series);
+    const std::string start = at == std::string::npos ? "" : text.substr(at + 1, text.find('\n', at + 1) - at - 1);
+    if (start != st.start) {
+        for (const auto & [series, v] : st.seen) {
+            st.base[series] += v;
+        }
+        st.seen.clear();
+        st.start = start;
+    }
     std::string out;
     size_t pos = 0;
     while (pos < text.size()) {
@@ -66,10 +77,6 @@ static std::string kvcomp_monotonic(kvcomp_metrics_state & st, const std::string
         } catch (const std::exception &) {
             out += line;
             continue;
-        }
-        const auto it = st.seen.find(series);
-        if (it != st.seen.end() && v < it->second) {
-            st.base[series] += it->second;
         }
         st.seen[series] = v;
         char num[32];
