@@ -12,7 +12,10 @@ import pytest
 
 from ggml_kvcomp import models
 
-MODELS: dict[str, tuple[str, list[str]]] = {"test-kvc-llama": ("smollm2-135m", []), "test-kvc-fuzz": ("smollm2-135m-f32", ["120"])}
+MODELS: dict[str, tuple[str, list[str]]] = {
+    "test-kvc-llama": ("smollm2-135m", []),
+    "test-kvc-fuzz": ("smollm2-135m-f32", ["120"]),
+}
 
 
 @pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-llama", "test-kvc-fuzz"])

@@ -119,4 +119,5 @@ def test_mode_with_fa_off_names_the_fix(bins: Path, model: Path, tool: str) -> N
     proc = subprocess.run([str(bins / tool), "-m", str(model), "--kv-comp", "balanced", "-fa", "off", "-c", "256"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert re.search(r"--kv-comp balanced stores V as kvc3, which needs flash attention.*drop -fa off", proc.stdout + proc.stderr)
+    want = r"--kv-comp balanced stores V as kvc3, which needs flash attention.*drop -fa off"
+    assert re.search(want, proc.stdout + proc.stderr)
