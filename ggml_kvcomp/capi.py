@@ -119,6 +119,9 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     # int32_t llama_kvcomp_get_stats(struct llama_context * ctx, struct llama_kvcomp_stats * stats);
     llama.llama_kvcomp_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(LlamaKvcompStats)]
     llama.llama_kvcomp_get_stats.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_seq_rm_exact(struct llama_context * ctx, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+    llama.llama_kvcomp_seq_rm_exact.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+    llama.llama_kvcomp_seq_rm_exact.restype = ctypes.c_int32
     # int32_t llama_kvcomp_set_monitor(struct llama_context * ctx, const struct llama_kvcomp_monitor_params * params);
     llama.llama_kvcomp_set_monitor.argtypes = [ctypes.c_void_p, ctypes.POINTER(LlamaKvcompMonitorParams)]
     llama.llama_kvcomp_set_monitor.restype = ctypes.c_int32

@@ -132,6 +132,16 @@ def stats(llm: llama_cpp.Llama) -> dict[str, float]:
     return {f[0]: getattr(st, f[0]) for f in LlamaKvcompStats._fields_}
 
 
+def seq_rm_exact(llm: llama_cpp.Llama, seq_id: int, p0: int, p1: int = -1) -> bool:
+    """Whether removing positions [p0, p1) of seq_id keeps the exact rows that its next token
+    sees exactly. When it does not, a result that must match a fresh run clears the sequence
+    and decodes it again (llama_cpp.Llama.reset() before the next eval)."""
+    rc = lib().llama_kvcomp_seq_rm_exact(_ctx(llm), seq_id, p0, p1)
+    if rc < 0:
+        raise RuntimeError("llama_kvcomp_seq_rm_exact: no context")
+    return bool(rc)
+
+
 def snapshot_text(llm: llama_cpp.Llama, prometheus: bool = False, refresh: bool = True) -> str:
     """The monitor's snapshot (docs/monitoring.md) as JSON or Prometheus text, as llama-server
     serves it at /kvcomp."""

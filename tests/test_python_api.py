@@ -96,3 +96,37 @@ def test_mode_switch_and_snapshot(model: Path) -> None:
     assert llm.snapshot(m)["mode"] == "high-precision"
     assert math.isfinite(llm.snapshot(m)["buffer"]["fill"])
     m.close()
+
+
+@pytest.mark.parametrize("knobs", [{"sinks": 1, "window": 0}, {"window": 4}, {"window": 8, "sinks": 2}])
+def test_f16_cache_is_exact_with_any_buffer(model: Path, knobs: dict[str, float]) -> None:
+    """Issue 17's reproduction: an f16 cache of 128 positions, a 7-token prompt through
+    Llama.eval and then one token per step; nothing is quantized, so every buffer setting
+    must give the plain cache's logits exactly (they moved by up to 1.06)."""
+    def run(buffered: bool) -> np.ndarray:
+        m = llm.new_llama(model, "f16", "f16", n_ctx=128)
+        if buffered:
+            llm.configure(m, "balanced", tracker=1, **knobs)
+        toks = m.tokenize(PROMPT.encode())
+        m.eval(toks[:7])
+        rows = [np.array(m.scores[m.n_tokens - 1])]
+        for t in toks[7:30]:
+            m.eval([t])
+            rows.append(np.array(m.scores[m.n_tokens - 1]))
+        m.close()
+        return np.stack(rows)
+
+    assert np.array_equal(run(True), run(False))
+
+
+def test_cut_back_keeps_exact_rows(model: Path) -> None:
+    m = llm.open_llama(model, "balanced", n_ctx=1024)
+    toks = m.tokenize(PROMPT.encode())
+    m.eval(toks)
+    n = m.n_tokens
+    for _ in range(16):
+        m.eval([int(np.argmax(m.scores[m.n_tokens - 1]))])
+    # a short generation leaves the window's rows in spare slots
+    assert llm.seq_rm_exact(m, 0, n - 1)
+    assert llm.seq_rm_exact(m, 0, 0)
+    m.close()
