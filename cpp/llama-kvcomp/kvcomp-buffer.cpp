@@ -866,6 +866,8 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
             const auto & cells = kv.v_cells[strm];
             for (uint32_t e = 0; e < n_entries; ++e) {
                 if (dst[e] < n_slots()) {
+                    // (a spare's cell must no longer point at the slot)
+                    free_slot(m, dst[e]);
                     set_slot(m, dst[e], cells_of[e], cells.pos_get(cells_of[e]), kinds[e]);
                     m.slot_err[dst[e]] = errs[e];
                 }
