@@ -121,3 +121,16 @@ def test_mode_with_fa_off_names_the_fix(bins: Path, model: Path, tool: str) -> N
     assert proc.returncode != 0
     want = r"--kv-comp balanced stores V as kvc3, which needs flash attention.*drop -fa off"
     assert re.search(want, proc.stdout + proc.stderr)
+
+
+def test_reused_prompt_past_the_spares_is_decoded_again(bins: Path, model: Path, tmp_path: Path) -> None:
+    """After a generation long enough to reuse the spare slots, a reused prompt would see its
+    window's rows quantized; the server decodes the prompt again instead, which gives the
+    answer a fresh request gets."""
+    log = tmp_path / "server.log"
+    with server(bins, model, "--kv-comp", "balanced", "-np", "1", "-c", "512", log=log) as url:
+        post(f"{url}/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 200, "cache_prompt": True})
+        reused = post(f"{url}/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 16, "cache_prompt": True})
+        fresh = post(f"{url}/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 16, "cache_prompt": False})
+        assert "the cut-back would lose exact rows, the prompt is decoded again" in log.read_text()
+        assert reused["content"] == fresh["content"]
