@@ -803,7 +803,7 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
             throw std::runtime_error(has_tracker > 1 ? "tracker flag is corrupted" :
                                      "the state was saved with the scale tracker on; this context has none");
         }
-        std::vector<llama_kvcomp_tracker::affine> moved;
+        std::vector<std::vector<float>> moved;
         if (tracker) {
             moved = tracker->state_read(io, restored_cells, seq_id == -1 || n_used <= restored_cells.size(), has_tracker != 0);
         }

@@ -380,7 +380,7 @@ void llama_kvcomp_tracker::state_write(llama_io_write_i & io) const {
     }
 }
 
-void llama_kvcomp_tracker::reencode(ggml_tensor * t, const std::vector<uint64_t> & rows, const affine & map) {
+void llama_kvcomp_tracker::reencode(ggml_tensor * t, const std::vector<uint64_t> & rows, const std::vector<float> & shift) {
     const auto * tt = ggml_get_type_traits(t->type);
     const int64_t n = t->ne[0];
     std::vector<uint8_t> raw(t->nb[1]);
@@ -393,7 +393,7 @@ void llama_kvcomp_tracker::reencode(ggml_tensor * t, const std::vector<uint64_t>
             tt->to_float(raw.data(), x.data(), n);
         }
         for (int64_t i = 0; i < n; ++i) {
-            x[i] = x[i] * map.a[i] + map.b[i];
+            x[i] += shift[i];
         }
         if (t->type == GGML_TYPE_F32) {
             std::memcpy(raw.data(), x.data(), t->nb[1]);
@@ -404,8 +404,8 @@ void llama_kvcomp_tracker::reencode(ggml_tensor * t, const std::vector<uint64_t>
     }
 }
 
-std::vector<llama_kvcomp_tracker::affine> llama_kvcomp_tracker::state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells,
-                                                                           bool replace, bool present) {
+std::vector<std::vector<float>> llama_kvcomp_tracker::state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells,
+                                                                  bool replace, bool present) {
     // a state saved without a tracker holds rows stored as they came: c = 0
     const uint32_t n_layers = (uint32_t) layers.size();
     std::vector<std::vector<float>> fc(n_layers);
@@ -433,7 +433,7 @@ std::vector<llama_kvcomp_tracker::affine> llama_kvcomp_tracker::state_read(llama
         }
     }
 
-    std::vector<affine> maps;
+    std::vector<std::vector<float>> maps;
     if (replace) {
         for (uint32_t ib = 0; ib < n_layers; ++ib) {
             layers[ib].c = fc[ib];
@@ -454,10 +454,9 @@ std::vector<llama_kvcomp_tracker::affine> llama_kvcomp_tracker::state_read(llama
     maps.resize(n_layers);
     for (uint32_t ib = 0; ib < n_layers; ++ib) {
         const layer_state & l = layers[ib];
-        maps[ib].a.assign(l.c.size(), 1.0f);
-        maps[ib].b.resize(l.c.size());
+        maps[ib].resize(l.c.size());
         for (size_t i = 0; i < l.c.size(); ++i) {
-            maps[ib].b[i] = fc[ib][i] - l.c[i];
+            maps[ib][i] = fc[ib][i] - l.c[i];
         }
         reencode(l.k_main, cells, maps[ib]);
     }

@@ -52,18 +52,14 @@ struct llama_kvcomp_tracker {
     // before, and rows - c back
     ggml_tensor * unstore(ggml_context * ctx, ggml_tensor * rows, int32_t ib, bool back) const;
 
-    // x · a + b per channel: how rows stored under one transform move onto another
-    struct affine {
-        std::vector<float> a, b;
-    };
-
-    // The offsets, with the state. A sequence read beside tokens stored under
-    // another transform has its K rows (cells: those restored) re-encoded onto this one; the
-    // maps used are returned (empty when none was needed) for the slot rows the caller
-    // restores. present: whether the state has a tracker part (without, c = 0).
+    // The offsets, with the state. A sequence read beside tokens stored under another offset
+    // has its K rows (cells: those restored) re-encoded onto this one by adding c_f - c per
+    // channel; the shifts used, one per layer, are returned (empty when none was needed) for
+    // the slot rows the caller restores. present: whether the state has a tracker part
+    // (without, c = 0).
     void state_write(llama_io_write_i & io) const;
-    std::vector<affine> state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells, bool replace, bool present);
-    static void reencode(ggml_tensor * t, const std::vector<uint64_t> & rows, const affine & map);
+    std::vector<std::vector<float>> state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells, bool replace, bool present);
+    static void reencode(ggml_tensor * t, const std::vector<uint64_t> & rows, const std::vector<float> & shift);
 
     void get_layer_stats(int32_t ib, llama_kvcomp_layer_stats & st) const;
     int32_t n_layers() const { return (int32_t) layers.size(); }
