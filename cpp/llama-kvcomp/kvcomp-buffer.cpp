@@ -15,8 +15,8 @@
 
 // "KVCB": the buffer's part of a state, after upstream's cells
 static constexpr uint32_t KVCOMP_STATE_MAGIC   = 0x4243564b;
-// 3: the tracker part holds the K offset only (2 had channel scales too)
-static constexpr uint32_t KVCOMP_STATE_VERSION = 3;
+// 4: the tracker part holds a K offset per stream (3: one for all, 2: channel scales too)
+static constexpr uint32_t KVCOMP_STATE_VERSION = 4;
 
 llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max,
                                          std::shared_ptr<llama_kvcomp_tracker> tracker)
@@ -44,7 +44,7 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         m.cell_ub.assign(kv_size, -1);
     }
 
-    ggml_init_params ip = { 2 * kv.layers.size() * ggml_tensor_overhead(), nullptr, true };
+    ggml_init_params ip = { (2 * kv.layers.size() + 1) * ggml_tensor_overhead(), nullptr, true };
     ctx = ggml_init(ip);
     if (!ctx) {
         throw std::runtime_error("kvcomp: failed to create the buffer context");
@@ -67,6 +67,7 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         ggml_format_name(k_buf.back(), "kvcomp_k_l%u", l.il);
         ggml_format_name(v_buf.back(), "kvcomp_v_l%u", l.il);
     }
+    reencode_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, (int64_t) kv.n_stream * n_ubatch);
     k_written.assign(k_buf.size(), nullptr);
     v_written.assign(k_buf.size(), nullptr);
     k_cur.assign(k_buf.size(), nullptr);
@@ -109,6 +110,7 @@ void llama_kvcomp_buffer::adopt_storage(llama_kvcomp_buffer & prev) {
     std::swap(buf, prev.buf);
     std::swap(k_buf, prev.k_buf);
     std::swap(v_buf, prev.v_buf);
+    std::swap(reencode_slots, prev.reencode_slots);
 }
 
 void llama_kvcomp_buffer::head_snapshots(const llama_kv_cache & kv, std::vector<llama_kvcomp_head_snapshot> & out) const {
@@ -272,18 +274,7 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const llama_kv_cache:
         monitor->on_ubatch(kv);
     }
     if (tracker) {
-        // the ubatch's cells in token order; it is alone in the cache when nothing else is used
-        std::vector<uint64_t> cells;
-        uint32_t n_used = 0;
-        for (size_t s = 0; s < sinfo.n_stream(); ++s) {
-            for (uint32_t c : sinfo.idxs[s]) {
-                cells.push_back((uint64_t) sinfo.strm[s] * kv.get_size() + c);
-            }
-        }
-        for (const auto & cells_strm : kv.v_cells) {
-            n_used += cells_strm.get_used();
-        }
-        tracker->update(cells, n_used <= cells.size());
+        tracker->update(kv.v_cells, sinfo, ubatch);
     }
     if (!buffered) {
         return;
@@ -297,6 +288,21 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const llama_kv_cache:
     for (size_t s = 0; s < sinfo.n_stream(); ++s) {
         apply_stream(kv, sinfo.strm[s], sinfo.idxs[s], ubatch, (uint32_t) (s * sinfo.size()));
     }
+    if (tracker && tracker->n_reencode() > 0) {
+        // the slots of the rows the tracker stores again take them too
+        std::vector<int64_t> rows;
+        for (uint64_t r : tracker->reencode_list()) {
+            const uint32_t strm = (uint32_t) (r / kv.get_size());
+            const int32_t  slot = maps[strm].cell_slot[r % kv.get_size()];
+            rows.push_back((int64_t) strm * n_rows() + (slot >= 0 ? slot : n_slots()));
+        }
+        ggml_backend_tensor_set(reencode_slots, rows.data(), 0, rows.size() * sizeof(int64_t));
+    }
+}
+
+const void * llama_kvcomp_buffer::graph_id() const {
+    // a graph that stores earlier rows again is not one to reuse, nor is the next one
+    return &graph_ids[tracker ? tracker->graph_variant() : 0];
 }
 
 void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm, const std::vector<uint32_t> & cells_ub,
@@ -439,11 +445,19 @@ ggml_tensor * llama_kvcomp_buffer::cpy(ggml_context * ctx0, ggml_tensor * cache,
     ggml_tensor * idx_slot = ggml_view_1d(ctx0, idxs, n_tokens, n_tokens * ggml_element_size(idxs));
 
     const int32_t ib = layer_of_il[il];
+    ggml_tensor * slots = (is_k ? k_buf : v_buf)[ib];
     if (tracker) {
         cur = tracker->transform(ctx0, cur, ib, is_k);
+        if (ggml_tensor * again = tracker->reencoded(ib)) {
+            // before this ubatch's rows, which may take the same slots
+            cache = ggml_set_rows(ctx0, cache, again, tracker->reencode_rows(ctx0));
+            if (buffered) {
+                slots = ggml_set_rows(ctx0, slots, again, ggml_view_1d(ctx0, reencode_slots, again->ne[1], 0));
+            }
+        }
     }
     if (buffered) {
-        (is_k ? k_written : v_written)[ib] = ggml_set_rows(ctx0, (is_k ? k_buf : v_buf)[ib], cur, idx_slot);
+        (is_k ? k_written : v_written)[ib] = ggml_set_rows(ctx0, slots, cur, idx_slot);
         (is_k ? k_cur : v_cur)[ib] = cur;
     }
 
@@ -594,6 +608,7 @@ public:
 ggml_tensor * llama_kvcomp_buffer::build_input_shift(const llama_kv_cache & kv, ggml_context * ctx0, llm_graph_result * res) {
     if (tracker) {
         tracker->resolve();
+        tracker->on_shift();
     }
     shift_input = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, (int64_t) n_rows() * maps.size());
     ggml_set_input(shift_input);
@@ -685,6 +700,9 @@ void llama_kvcomp_buffer::copy_stream(uint32_t ssrc, uint32_t sdst) {
         }
     }
     maps[sdst] = maps[ssrc];
+    if (tracker) {
+        tracker->copy_stream(ssrc, sdst);
+    }
 }
 
 void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cache & kv, llama_seq_id seq_id) const {
@@ -701,7 +719,16 @@ void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cach
     const uint32_t has_tracker = tracker ? 1 : 0;
     io.write(&has_tracker, sizeof(has_tracker));
     if (tracker) {
-        tracker->state_write(io);
+        // which streams hold cells upstream saves
+        std::vector<bool> holds(maps.size(), false);
+        for (uint32_t strm = 0; strm < maps.size(); ++strm) {
+            const auto & cells = kv.v_cells[strm];
+            for (uint32_t c = 0; c < cells.size() && !holds[strm]; ++c) {
+                holds[strm] = !cells.is_empty(c) && (seq_id == -1 || (cells.seq_has(c, seq_id) &&
+                        !llama_hparams::is_masked_swa(kv.n_swa, kv.swa_type, cells.pos_get(c), cells.seq_pos_max(seq_id))));
+            }
+        }
+        tracker->state_write(io, holds);
     }
 
     for (uint32_t strm = 0; strm < maps.size(); ++strm) {
@@ -786,16 +813,18 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
                                      std::to_string(sinfos.size()));
         }
 
-        // the K offsets the restored rows were stored with
-        std::vector<uint64_t> restored_cells;
-        for (const auto & si : sinfos) {
-            for (uint32_t c : si.empty() ? std::vector<uint32_t>() : si.idxs[0]) {
-                restored_cells.push_back((uint64_t) si.strm[0] * kv.get_size() + c);
+        // the K offsets the restored rows were stored with, per stream
+        std::vector<llama_kvcomp_tracker::restore_target> targets(sinfos.size());
+        for (size_t si = 0; si < sinfos.size(); ++si) {
+            if (sinfos[si].empty()) {
+                continue;
             }
-        }
-        uint32_t n_used = 0;
-        for (const auto & cells_strm : kv.v_cells) {
-            n_used += cells_strm.get_used();
+            auto & t = targets[si];
+            t.strm = sinfos[si].strm[0];
+            for (uint32_t c : sinfos[si].idxs[0]) {
+                t.cells.push_back((uint64_t) t.strm * kv.get_size() + c);
+            }
+            t.replace = seq_id == -1 || kv.v_cells[t.strm].get_used() <= t.cells.size();
         }
         uint32_t has_tracker = 0;
         io.read(&has_tracker, sizeof(has_tracker));
@@ -803,9 +832,9 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
             throw std::runtime_error(has_tracker > 1 ? "tracker flag is corrupted" :
                                      "the state was saved with the scale tracker on; this context has none");
         }
-        std::vector<std::vector<float>> moved;
+        std::vector<std::vector<std::vector<float>>> moved(sinfos.size());
         if (tracker) {
-            moved = tracker->state_read(io, restored_cells, seq_id == -1 || n_used <= restored_cells.size(), has_tracker != 0);
+            moved = tracker->state_read(io, targets, seq_id, has_tracker != 0);
         }
 
         for (uint32_t si = 0; si < header[6]; ++si) {
@@ -859,8 +888,8 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
                         io.read_tensor(t, r * t->nb[1], t->nb[1]);
                     }
                 }
-                if (!moved.empty()) {
-                    llama_kvcomp_tracker::reencode(k_buf[ib], rows, moved[ib]);
+                if (!moved[si].empty()) {
+                    llama_kvcomp_tracker::reencode(k_buf[ib], rows, moved[si][ib]);
                 }
             }
             const auto & cells = kv.v_cells[strm];
@@ -934,7 +963,7 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
             for (const auto & l : kv.layers) {
                 descs.push_back({ l.k, l.v, (int32_t) l.il, (int64_t) kv.hparams.n_embd_head_k(l.il), (int64_t) kv.hparams.n_embd_head_v(l.il) });
             }
-            tracker = std::make_shared<llama_kvcomp_tracker>(descs, params);
+            tracker = std::make_shared<llama_kvcomp_tracker>(descs, params, kv.n_stream, n_ubatch);
         }
         if (tracker) {
             tracker->set_params(params);

@@ -79,6 +79,10 @@ struct llama_kvcomp_buffer {
     // exactly, and give a slot to every token of the ubatch that later queries see exactly.
     void apply(const llama_kv_cache & kv, const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ubatch);
 
+    // What a graph was built for (llama_kv_cache_context::kvcomp_id): one that stores rows
+    // again for the tracker differs from the next ubatch's of the same shape.
+    const void * graph_id() const;
+
     // Writes the ubatch's rows into the main cache (returned) and into the slots (kept for
     // the get() of the same layer in the same graph); `idxs` holds main rows then slot rows.
     ggml_tensor * cpy(ggml_context * ctx, ggml_tensor * cache, ggml_tensor * cur, ggml_tensor * idxs, int32_t il, bool is_k) const;
@@ -179,6 +183,10 @@ private:
     mutable std::vector<ggml_tensor *> v_written;
     mutable std::vector<ggml_tensor *> k_cur;
     mutable std::vector<ggml_tensor *> v_cur;
+
+    // [n_stream * n_ubatch] I64: the slot rows of the rows the tracker stores again
+    ggml_tensor * reencode_slots = nullptr;
+    char graph_ids[3] = {};
 
     // per slot row: the RoPE shift of its cell, for build_shift
     ggml_tensor * shift_input = nullptr;

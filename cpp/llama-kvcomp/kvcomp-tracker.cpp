@@ -8,22 +8,19 @@
 #include <cstring>
 #include <stdexcept>
 
-// rows sampled per ubatch and layer, spread evenly over the ubatch
-static constexpr uint32_t KVCOMP_TAP_ROWS = 32;
 // the window of updates the statistics cover, and how often they are recomputed
 static constexpr uint32_t KVCOMP_WINDOW   = 32;
 static constexpr uint32_t KVCOMP_RECOMPUTE = 8;
 static constexpr double   KVCOMP_QUANTILE = 0.999;
-// the row of the tap after the samples: the offset c
-static constexpr uint32_t KVCOMP_ROW_C     = KVCOMP_TAP_ROWS;
 
-static uint32_t tap_stride(uint32_t n_tokens) {
-    return (n_tokens + KVCOMP_TAP_ROWS - 1) / KVCOMP_TAP_ROWS;
+static uint32_t tap_stride(uint32_t n_tokens, uint32_t n_tap) {
+    return (n_tokens + n_tap - 1) / n_tap;
 }
 
-llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params)
-    : params(params) {
-    ggml_init_params ip = { (descs.size() + 1) * ggml_tensor_overhead(), nullptr, true };
+llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params,
+                                           uint32_t n_stream, uint32_t n_ubatch)
+    : params(params), n_stream(n_stream), n_ubatch(n_ubatch) {
+    ggml_init_params ip = { (descs.size() + 5) * ggml_tensor_overhead(), nullptr, true };
     ctx = ggml_init(ip);
     if (!ctx) {
         throw std::runtime_error("kvcomp: failed to create the tracker context");
@@ -46,12 +43,17 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         l.v_win.resize(KVCOMP_WINDOW);
         l.k_err_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
         l.k_energy_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
-        l.c.assign(l.n_embd_k, 0.0f);
-        tap.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, l.n_embd_k, KVCOMP_ROW_C + 1));
-        ggml_format_name(tap.back(), "kvcomp_tap_l%u", kl.il);
+        l.c.assign((size_t) n_stream * l.n_embd_k, 0.0f);
+        store.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, l.n_embd_k, n_store_rows()));
+        ggml_format_name(store.back(), "kvcomp_store_l%u", kl.il);
     }
-    calibrate = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, KVCOMP_TAP_ROWS + 1);
-    ggml_set_name(calibrate, "kvcomp_calibrate");
+    weights   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, KVCOMP_CALIB_N + 1, n_stream);
+    copy_idx  = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_ubatch);
+    old_main  = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, (int64_t) n_stream * KVCOMP_CALIB_N);
+    old_raw   = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) n_stream * KVCOMP_CALIB_N);
+    old_plane = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) n_stream * KVCOMP_CALIB_N);
+    ggml_set_name(weights, "kvcomp_weights");
+    ggml_set_name(copy_idx, "kvcomp_copy_idx");
 
     buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_buffer_get_type(descs[0].k->buffer));
     if (!buf) {
@@ -59,8 +61,8 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         throw std::runtime_error("kvcomp: failed to allocate the tracker");
     }
     ggml_backend_buffer_clear(buf, 0);
-    write_offsets();
-    set_weights(false, 1);
+    streams.resize(n_stream);
+    reenc.assign(n, nullptr);
 }
 
 llama_kvcomp_tracker::~llama_kvcomp_tracker() {
@@ -84,33 +86,67 @@ llama_kvcomp_tracker::~llama_kvcomp_tracker() {
 }
 
 ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor * cur, int32_t ib, bool is_k) const {
+    reenc[ib] = nullptr;
     if (!is_k) {
         return cur;
     }
-    const int64_t ne0      = cur->ne[0];
-    const uint32_t n_tok   = (uint32_t) cur->ne[1];
-    const uint32_t stride  = tap_stride(n_tok);
-    const int64_t n_sample = (n_tok + stride - 1) / stride;
+    ggml_tensor * st = store[ib];
+    const int64_t  ne0      = cur->ne[0];
+    const uint32_t n_tok    = (uint32_t) cur->ne[1];
+    const uint32_t stride   = tap_stride(n_tok, KVCOMP_TAP_N);
+    const int64_t  n_sample = (n_tok + stride - 1) / stride;
+    // a graph built without a ubatch of its own (a reserve) has one plane per stream
+    const int64_t  np  = n_tok % n_planes == 0 && plane_strm0 + n_planes <= n_stream ? n_planes : 1;
+    const int64_t  ntp = n_tok / np;
+    const size_t   nb1 = st->nb[1];
 
     ggml_tensor * sampled = ggml_view_2d(ctx0, cur, ne0, n_sample, cur->nb[1] * stride, 0);
-    ggml_tensor * tapped  = ggml_cpy(ctx0, sampled, ggml_view_2d(ctx0, tap[ib], ne0, n_sample, tap[ib]->nb[1], 0));
+    ggml_tensor * tapped  = ggml_cpy(ctx0, sampled, ggml_view_2d(ctx0, st, ne0, n_sample, nb1, 0));
 
-    // c = Σ_r tap_r · w_r over the samples and the offset row: w picks the offset row, or, for
-    // a ubatch that sets the offset, weighs the samples 1/n (their mean; the host then stores
-    // the same mean in the offset row). One graph shape for every ubatch and few nodes: the
-    // graph's node budget is upstream's. The view hangs on the copy, so it is read after it.
-    ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, KVCOMP_ROW_C + 1, tap[ib]->nb[1], 0);
-    return ggml_sub(ctx0, cur, ggml_out_prod(ctx0, all, calibrate));
+    // The graph's node budget is upstream's: few nodes, one shape for every ubatch. The views
+    // of the store hang on the copy, so they are read after it: the rows of this ubatch that
+    // are among its stream's first go to the stream's block, then each plane's c is made from
+    // its block (the mean of those rows when they are complete now, else the c it holds, or 0)
+    // and written back to it.
+    ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, n_store_rows(), nb1, 0);
+    all = ggml_set_rows(ctx0, all, cur, ggml_view_1d(ctx0, copy_idx, n_tok, 0));
+    ggml_tensor * blocks = ggml_view_3d(ctx0, all, ne0, KVCOMP_CALIB_N + 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1),
+            row_raw(plane_strm0, 0) * nb1);
+    ggml_tensor * w = ggml_view_3d(ctx0, weights, 1, KVCOMP_CALIB_N + 1, np, weights->nb[1], weights->nb[2], 0);
+    ggml_tensor * c = ggml_out_prod(ctx0, blocks, w); // [ne0, 1, np]
+    ggml_tensor * c_rows = ggml_cpy(ctx0, c, ggml_view_3d(ctx0, all, ne0, 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1),
+            row_c(plane_strm0) * nb1));
+
+    if (!old_rows.empty()) {
+        // earlier rows of a stream that sets its c now: stored again from their copies
+        const int64_t n_old = (int64_t) old_rows.size();
+        ggml_tensor * raw = ggml_get_rows(ctx0, all, ggml_view_1d(ctx0, old_raw, n_old, 0));
+        ggml_tensor * cs  = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, c, ne0, np), ggml_view_1d(ctx0, old_plane, n_old, 0));
+        reenc[ib] = ggml_sub(ctx0, raw, cs);
+    }
+
+    ggml_tensor * x = ggml_view_3d(ctx0, cur, ne0, ntp, np, cur->nb[1], cur->nb[1] * ntp, 0);
+    return ggml_reshape_2d(ctx0, ggml_sub(ctx0, x, c_rows), ne0, n_tok);
+}
+
+ggml_tensor * llama_kvcomp_tracker::reencoded(int32_t ib) const {
+    return reenc[ib];
+}
+
+ggml_tensor * llama_kvcomp_tracker::reencode_rows(ggml_context * ctx0) const {
+    return ggml_view_1d(ctx0, old_main, (int64_t) old_rows.size(), 0);
 }
 
 ggml_tensor * llama_kvcomp_tracker::unstore(ggml_context * ctx0, ggml_tensor * rows, int32_t ib, bool back) const {
     const layer_state & l = layers[ib];
-    // rows: [n_rot, n_head_kv, n_cells] over the first n_rot values of each head
-    const auto row = [&](uint32_t r) {
-        return ggml_cont(ctx0, ggml_view_3d(ctx0, tap[ib], rows->ne[0], rows->ne[1], 1,
-                l.n_embd_head_k * sizeof(float), l.n_embd_k * sizeof(float), r * tap[ib]->nb[1]));
-    };
-    return back ? ggml_sub(ctx0, rows, row(KVCOMP_ROW_C)) : ggml_add(ctx0, rows, row(KVCOMP_ROW_C));
+    ggml_tensor * st = store[ib];
+    // rows: [n_rot, n_head_kv, rows of every stream] over the first n_rot values of each head
+    const int64_t n_per = rows->ne[2] / n_stream;
+    ggml_tensor * r4 = ggml_reshape_4d(ctx0, rows, rows->ne[0], rows->ne[1], n_per, n_stream);
+    ggml_tensor * c  = ggml_cont(ctx0, ggml_view_4d(ctx0, st, rows->ne[0], rows->ne[1], 1, n_stream,
+            l.n_embd_head_k * sizeof(float), st->nb[1], st->nb[1] * (KVCOMP_CALIB_N + 1), row_c(0) * st->nb[1]));
+    r4 = back ? ggml_sub(ctx0, r4, c) : ggml_add(ctx0, r4, c);
+    return ggml_reshape_3d(ctx0, r4, rows->ne[0], rows->ne[1], rows->ne[2]);
 }
 
 void llama_kvcomp_tracker::fold(std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const {
@@ -231,12 +267,14 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
     const int64_t n = l.n_embd_k;
     std::vector<uint8_t> q(k_main->nb[1]);
     std::vector<float> x(n), y(n);
-    // pass 0: as the rows came; 1: as stored (offset removed)
+    const uint64_t n_cells = (uint64_t) k_main->ne[1] / n_stream;
+    // pass 0: as the rows came; 1: as stored (their stream's offset removed)
     for (size_t r = 0; r < n_rows; ++r) {
         const float * raw = k_rows + r * n;
+        const float * c   = l.c.data() + (tap_cells[r] / n_cells) * n;
         for (int pass = 0; pass < 2; ++pass) {
             for (int64_t i = 0; i < n; ++i) {
-                x[i] = raw[i] - (pass ? l.c[i] : 0.0f);
+                x[i] = raw[i] - (pass ? c[i] : 0.0f);
             }
             if (k_main->type == GGML_TYPE_F32) {
                 y = x;
@@ -262,49 +300,71 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
     l.n_rows_measured += (int64_t) n_rows;
 }
 
-void llama_kvcomp_tracker::write_offsets() const {
+void llama_kvcomp_tracker::write_offsets(uint32_t strm) const {
     for (size_t ib = 0; ib < layers.size(); ++ib) {
-        ggml_backend_tensor_set(tap[ib], layers[ib].c.data(), KVCOMP_ROW_C * tap[ib]->nb[1], tap[ib]->nb[1]);
+        const layer_state & l = layers[ib];
+        ggml_backend_tensor_set(store[ib], l.c.data() + (size_t) strm * l.n_embd_k, row_c(strm) * store[ib]->nb[1], store[ib]->nb[1]);
     }
-}
-
-void llama_kvcomp_tracker::set_weights(bool calibrating, uint32_t n_sample) {
-    if (calibrating == w_calibrating && (!calibrating || n_sample == w_n_sample)) {
-        return;
-    }
-    std::vector<float> w(KVCOMP_TAP_ROWS + 1, 0.0f);
-    if (calibrating) {
-        std::fill(w.begin(), w.begin() + n_sample, 1.0f / (float) n_sample);
-    } else {
-        w[KVCOMP_TAP_ROWS] = 1.0f;
-    }
-    ggml_backend_tensor_set(calibrate, w.data(), 0, ggml_nbytes(calibrate));
-    w_calibrating = calibrating;
-    w_n_sample    = n_sample;
 }
 
 void llama_kvcomp_tracker::resolve() const {
-    if (pending_read && !tap_cells.empty()) {
-        // the last ubatch's graph took the mean of its sampled rows as the offset: keep it
-        std::vector<float> rows;
+    // the last ubatch's graph made these streams' offsets: the host copies take them
+    for (uint32_t strm : pending_read) {
         for (size_t ib = 0; ib < layers.size(); ++ib) {
             layer_state & l = layers[ib];
-            rows.resize(tap_cells.size() * l.n_embd_k);
-            ggml_backend_tensor_get(tap[ib], rows.data(), 0, rows.size() * sizeof(float));
-            for (int64_t i = 0; i < l.n_embd_k; ++i) {
-                float s = 0.0f;
-                for (size_t r = 0; r < tap_cells.size(); ++r) {
-                    s += rows[r * l.n_embd_k + i] * (1.0f / (float) tap_cells.size());
-                }
-                l.c[i] = s;
-            }
+            ggml_backend_tensor_get(store[ib], l.c.data() + (size_t) strm * l.n_embd_k, row_c(strm) * store[ib]->nb[1], store[ib]->nb[1]);
         }
-        write_offsets();
     }
-    pending_read = false;
+    pending_read.clear();
 }
 
-void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empty) {
+void llama_kvcomp_tracker::on_shift() {
+    // the copies are of rows at their old positions, under their old rotation
+    for (auto & ss : streams) {
+        if (ss.status == CALIB_STATUS_PENDING) {
+            ss.status = CALIB_STATUS_NONE;
+        }
+    }
+}
+
+bool llama_kvcomp_tracker::rows_complete(const llama_kv_cells & cells, uint32_t strm) const {
+    const stream_state & ss = streams[strm];
+    std::vector<bool> seen(KVCOMP_CALIB_N, false);
+    uint32_t n_seen = 0;
+    for (uint32_t c = 0; c < cells.size(); ++c) {
+        if (cells.is_empty(c) || !cells.seq_has(c, ss.seq)) {
+            continue;
+        }
+        const llama_pos d = cells.pos_get(c) - ss.p0;
+        if (d >= 0 && d < (llama_pos) KVCOMP_CALIB_N && !seen[d]) {
+            seen[d] = true;
+            ++n_seen;
+        }
+    }
+    return n_seen == KVCOMP_CALIB_N;
+}
+
+void llama_kvcomp_tracker::collect_old_rows(const llama_kv_cells & cells, uint32_t strm, uint32_t plane,
+                                            const std::vector<uint32_t> & cells_ub) {
+    const stream_state & ss = streams[strm];
+    std::vector<bool> in_ub(cells.size(), false);
+    for (uint32_t c : cells_ub) {
+        in_ub[c] = true;
+    }
+    for (uint32_t c = 0; c < cells.size(); ++c) {
+        if (cells.is_empty(c) || in_ub[c] || !cells.seq_has(c, ss.seq)) {
+            continue;
+        }
+        const llama_pos d = cells.pos_get(c) - ss.p0;
+        if (d >= 0 && d < (llama_pos) KVCOMP_CALIB_N) {
+            old_rows.push_back((uint64_t) strm * cells.size() + c);
+            old_raw_h.push_back((int32_t) row_raw(strm, d));
+            old_plane_h.push_back((int32_t) plane);
+        }
+    }
+}
+
+void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ubatch) {
     resolve();
     if (!tap_cells.empty() && params.tracker) {
         const bool measure_now = n_updates % KVCOMP_RECOMPUTE == 0;
@@ -317,7 +377,7 @@ void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empt
             layer_state & l = layers[ib];
             const uint32_t n_rows = (uint32_t) tap_cells.size();
             rows.resize((size_t) n_rows * l.n_embd_k);
-            ggml_backend_tensor_get(tap[ib], rows.data(), 0, rows.size() * sizeof(float));
+            ggml_backend_tensor_get(store[ib], rows.data(), 0, rows.size() * sizeof(float));
             fold(l.k_win, rows.data(), n_rows, l.n_embd_k);
 
             // V rows as stored: nothing is subtracted from them
@@ -346,37 +406,125 @@ void llama_kvcomp_tracker::update(const std::vector<uint64_t> & cells, bool empt
         }
     }
 
-    const uint32_t stride   = tap_stride((uint32_t) cells.size());
-    const uint32_t n_sample = ((uint32_t) cells.size() + stride - 1) / stride;
-    bool calibrating = false;
-    if (empty) {
-        // The cache starts over: the offset comes from this ubatch's own rows (with the tracker
-        // switched off, none), never from the smoothed statistics, which hold earlier
-        // sequences' rows: what a sequence computes must not depend on the requests served
-        // before it (docs/design-tracker-modes.md, "Isolation").
-        calibrating = params.tracker;
-        for (auto & l : layers) {
-            std::fill(l.c.begin(), l.c.end(), 0.0f);
+    // what this ubatch's graph does per stream plane (its tokens, stream by stream)
+    ++n_setups;
+    n_planes    = (uint32_t) sinfo.n_stream();
+    plane_strm0 = sinfo.strm[0];
+    const uint32_t ntp = sinfo.size();
+    std::vector<float>   w((size_t) (KVCOMP_CALIB_N + 1) * n_stream, 0.0f);
+    std::vector<int64_t> idx(ubatch.n_tokens, row_trash());
+    old_rows.clear();
+    old_raw_h.clear();
+    old_plane_h.clear();
+    for (uint32_t p = 0; p < n_planes; ++p) {
+        const uint32_t strm = sinfo.strm[p];
+        const uint32_t i0   = p * ntp;
+        stream_state & ss = streams[strm];
+        if (cells[strm].get_used() <= ntp) {
+            // The stream starts over: its offset will come from the first rows of the sequence
+            // starting it, never from what earlier sequences left (the statistics, other
+            // streams), so what a sequence computes depends on its own tokens only.
+            ss.status = params.tracker ? CALIB_STATUS_PENDING : CALIB_STATUS_NONE;
+            ss.seq    = ubatch.seq_id[i0][0];
+            ss.p0     = ubatch.pos[i0];
+            for (auto & l : layers) {
+                std::fill(l.c.begin() + (size_t) strm * l.n_embd_k, l.c.begin() + (size_t) (strm + 1) * l.n_embd_k, 0.0f);
+            }
         }
-        write_offsets();
+        if (ss.status == CALIB_STATUS_PENDING && !params.tracker) {
+            ss.status = CALIB_STATUS_NONE;
+        }
+        float * wp = w.data() + (size_t) p * (KVCOMP_CALIB_N + 1);
+        if (ss.status == CALIB_STATUS_PENDING) {
+            bool all_first = true;
+            for (uint32_t i = i0; i < i0 + ntp; ++i) {
+                const llama_pos d = ubatch.pos[i] - ss.p0;
+                if (ubatch.n_seq_id[i] == 1 && ubatch.seq_id[i][0] == ss.seq && d >= 0 && d < (llama_pos) KVCOMP_CALIB_N) {
+                    idx[i] = row_raw(strm, d);
+                } else {
+                    all_first = false;
+                }
+            }
+            if (rows_complete(cells[strm], strm)) {
+                std::fill(wp, wp + KVCOMP_CALIB_N, 1.0f / (float) KVCOMP_CALIB_N);
+                collect_old_rows(cells[strm], strm, p, sinfo.idxs[p]);
+                ss.status = CALIB_STATUS_SET;
+                pending_read.push_back(strm);
+            } else if (!all_first) {
+                // rows the stream keeps no copy of are stored as they came: c stays 0
+                ss.status = CALIB_STATUS_NONE;
+            }
+        } else if (ss.status == CALIB_STATUS_SET) {
+            wp[KVCOMP_CALIB_N] = 1.0f;
+        }
     }
-    set_weights(calibrating, n_sample);
-    pending_read = calibrating;
+    if (w != w_host) {
+        ggml_backend_tensor_set(weights, w.data(), 0, w.size() * sizeof(float));
+        w_host = w;
+    }
+    if (idx != idx_host) {
+        ggml_backend_tensor_set(copy_idx, idx.data(), 0, idx.size() * sizeof(int64_t));
+        idx_host = idx;
+    }
+    if (!old_rows.empty()) {
+        const std::vector<int64_t> rows(old_rows.begin(), old_rows.end());
+        ggml_backend_tensor_set(old_main, rows.data(), 0, rows.size() * sizeof(int64_t));
+        ggml_backend_tensor_set(old_raw, old_raw_h.data(), 0, old_raw_h.size() * sizeof(int32_t));
+        ggml_backend_tensor_set(old_plane, old_plane_h.data(), 0, old_plane_h.size() * sizeof(int32_t));
+    }
 
+    const uint32_t stride = tap_stride(ubatch.n_tokens, KVCOMP_TAP_N);
     tap_cells.clear();
-    for (size_t i = 0; i < cells.size(); i += stride) {
-        tap_cells.push_back(cells[i]);
+    for (uint32_t p = 0; p < n_planes; ++p) {
+        for (uint32_t j = 0; j < ntp; ++j) {
+            if ((p * ntp + j) % stride == 0) {
+                tap_cells.push_back((uint64_t) sinfo.strm[p] * cells[0].size() + sinfo.idxs[p][j]);
+            }
+        }
     }
 }
 
-void llama_kvcomp_tracker::state_write(llama_io_write_i & io) const {
+void llama_kvcomp_tracker::copy_stream(uint32_t ssrc, uint32_t sdst) {
+    resolve();
+    std::vector<uint8_t> tmp;
+    for (size_t ib = 0; ib < layers.size(); ++ib) {
+        layer_state & l = layers[ib];
+        const size_t n = store[ib]->nb[1] * (KVCOMP_CALIB_N + 1);
+        tmp.resize(n);
+        ggml_backend_tensor_get(store[ib], tmp.data(), row_raw(ssrc, 0) * store[ib]->nb[1], n);
+        ggml_backend_tensor_set(store[ib], tmp.data(), row_raw(sdst, 0) * store[ib]->nb[1], n);
+        std::copy(l.c.begin() + (size_t) ssrc * l.n_embd_k, l.c.begin() + (size_t) (ssrc + 1) * l.n_embd_k,
+                  l.c.begin() + (size_t) sdst * l.n_embd_k);
+    }
+    streams[sdst] = streams[ssrc];
+}
+
+void llama_kvcomp_tracker::state_write(llama_io_write_i & io, const std::vector<bool> & holds) const {
     resolve();
     const uint32_t n = (uint32_t) layers.size();
     io.write(&n, sizeof(n));
-    for (const auto & l : layers) {
-        const uint32_t ne = (uint32_t) l.c.size();
-        io.write(&ne, sizeof(ne));
-        io.write(l.c.data(), ne * sizeof(float));
+    io.write(&n_stream, sizeof(n_stream));
+    for (uint32_t strm = 0; strm < n_stream; ++strm) {
+        const uint32_t held = holds[strm] ? 1 : 0;
+        io.write(&held, sizeof(held));
+        if (!held) {
+            continue;
+        }
+        const stream_state & ss = streams[strm];
+        const uint32_t status = ss.status;
+        io.write(&status, sizeof(status));
+        io.write(&ss.seq, sizeof(ss.seq));
+        io.write(&ss.p0, sizeof(ss.p0));
+        for (size_t ib = 0; ib < layers.size(); ++ib) {
+            const layer_state & l = layers[ib];
+            const uint32_t ne = (uint32_t) l.n_embd_k;
+            io.write(&ne, sizeof(ne));
+            io.write(l.c.data() + (size_t) strm * ne, ne * sizeof(float));
+            if (ss.status == CALIB_STATUS_PENDING) {
+                // the copies of its first rows, for the ubatch that completes them
+                io.write_tensor(store[ib], row_raw(strm, 0) * store[ib]->nb[1], KVCOMP_CALIB_N * store[ib]->nb[1]);
+            }
+        }
     }
 }
 
@@ -404,63 +552,112 @@ void llama_kvcomp_tracker::reencode(ggml_tensor * t, const std::vector<uint64_t>
     }
 }
 
-std::vector<std::vector<float>> llama_kvcomp_tracker::state_read(llama_io_read_i & io, const std::vector<uint64_t> & cells,
-                                                                  bool replace, bool present) {
-    // a state saved without a tracker holds rows stored as they came: c = 0
+std::vector<std::vector<std::vector<float>>> llama_kvcomp_tracker::state_read(llama_io_read_i & io,
+        const std::vector<restore_target> & targets, llama_seq_id seq_id, bool present) {
     const uint32_t n_layers = (uint32_t) layers.size();
-    std::vector<std::vector<float>> fc(n_layers);
-    for (uint32_t ib = 0; ib < n_layers; ++ib) {
-        fc[ib].assign(layers[ib].c.size(), 0.0f);
-    }
     if (present) {
-        uint32_t n = 0;
+        uint32_t n = 0, ns = 0;
         io.read(&n, sizeof(n));
+        io.read(&ns, sizeof(ns));
         if (n != n_layers) {
             throw std::runtime_error("tracker section has " + std::to_string(n) + " layers, the cache " + std::to_string(n_layers));
         }
-        for (uint32_t ib = 0; ib < n; ++ib) {
-            uint32_t ne = 0;
-            io.read(&ne, sizeof(ne));
-            if (ne != fc[ib].size()) {
-                throw std::runtime_error("tracker section is for another model");
+        if (ns != targets.size()) {
+            throw std::runtime_error("tracker section has " + std::to_string(ns) + " streams, the state " + std::to_string(targets.size()));
+        }
+    }
+    std::vector<std::vector<std::vector<float>>> maps(targets.size());
+    std::vector<float> fc, raw;
+    for (size_t si = 0; si < targets.size(); ++si) {
+        const restore_target & t = targets[si];
+        // a state saved without a tracker holds rows stored as they came: c = 0
+        uint32_t held = 0, status = CALIB_STATUS_NONE;
+        llama_seq_id seq = -1;
+        llama_pos p0 = 0;
+        std::vector<std::vector<float>> cs(n_layers), raws(n_layers);
+        if (present) {
+            io.read(&held, sizeof(held));
+            if (held > 1 || (held == 0) != t.cells.empty()) {
+                throw std::runtime_error("tracker section is corrupted (its streams are not the state's)");
             }
-            io.read(fc[ib].data(), ne * sizeof(float));
-            for (uint32_t i = 0; i < ne; ++i) {
-                if (!std::isfinite(fc[ib][i])) {
-                    throw std::runtime_error("tracker section is corrupted (offset out of range)");
+            if (held) {
+                io.read(&status, sizeof(status));
+                io.read(&seq, sizeof(seq));
+                io.read(&p0, sizeof(p0));
+                if (status > CALIB_STATUS_SET) {
+                    throw std::runtime_error("tracker section is corrupted (unknown offset state)");
                 }
             }
         }
-    }
-
-    std::vector<std::vector<float>> maps;
-    if (replace) {
         for (uint32_t ib = 0; ib < n_layers; ++ib) {
-            layers[ib].c = fc[ib];
+            const layer_state & l = layers[ib];
+            cs[ib].assign(l.n_embd_k, 0.0f);
+            if (!held) {
+                continue;
+            }
+            uint32_t ne = 0;
+            io.read(&ne, sizeof(ne));
+            if (ne != l.n_embd_k) {
+                throw std::runtime_error("tracker section is for another model");
+            }
+            io.read(cs[ib].data(), ne * sizeof(float));
+            for (float v : cs[ib]) {
+                if (!std::isfinite(v)) {
+                    throw std::runtime_error("tracker section is corrupted (offset out of range)");
+                }
+            }
+            if (status == CALIB_STATUS_PENDING) {
+                raws[ib].resize((size_t) KVCOMP_CALIB_N * ne);
+                io.read(raws[ib].data(), raws[ib].size() * sizeof(float));
+            }
         }
-        write_offsets();
-        pending_read = false;
-        return maps;
-    }
-    bool same = true;
-    for (uint32_t ib = 0; ib < n_layers && same; ++ib) {
-        same = fc[ib] == layers[ib].c;
-    }
-    if (same) {
-        return maps;
-    }
-    // other sequences keep the offset in use: the restored keys move onto it,
-    // k - c = x + (c_f - c) for a row x stored as k - c_f
-    maps.resize(n_layers);
-    for (uint32_t ib = 0; ib < n_layers; ++ib) {
-        const layer_state & l = layers[ib];
-        maps[ib].resize(l.c.size());
-        for (size_t i = 0; i < l.c.size(); ++i) {
-            maps[ib][i] = fc[ib][i] - l.c[i];
+        if (t.cells.empty()) {
+            continue;
         }
-        reencode(l.k_main, cells, maps[ib]);
+        stream_state & ss = streams[t.strm];
+        if (t.replace) {
+            // the stream holds the restored tokens only: it takes their offset (and, when they
+            // were still collecting their first rows, the copies)
+            ss.status = (calib_status) status;
+            ss.seq    = seq_id == -1 ? seq : seq_id;
+            ss.p0     = p0;
+            for (uint32_t ib = 0; ib < n_layers; ++ib) {
+                layer_state & l = layers[ib];
+                std::copy(cs[ib].begin(), cs[ib].end(), l.c.begin() + (size_t) t.strm * l.n_embd_k);
+                if (status == CALIB_STATUS_PENDING) {
+                    ggml_backend_tensor_set(store[ib], raws[ib].data(), row_raw(t.strm, 0) * store[ib]->nb[1],
+                            raws[ib].size() * sizeof(float));
+                }
+            }
+            write_offsets(t.strm);
+            pending_read.erase(std::remove(pending_read.begin(), pending_read.end(), t.strm), pending_read.end());
+            continue;
+        }
+        // Other tokens keep the stream's offset: the restored keys move onto it,
+        // k - c = x + (c_f - c) for a row x stored as k - c_f. A stream still collecting its
+        // first rows now holds rows it has no copy of.
+        if (ss.status == CALIB_STATUS_PENDING) {
+            ss.status = CALIB_STATUS_NONE;
+        }
+        bool same = true;
+        for (uint32_t ib = 0; ib < n_layers && same; ++ib) {
+            const layer_state & l = layers[ib];
+            same = std::equal(cs[ib].begin(), cs[ib].end(), l.c.begin() + (size_t) t.strm * l.n_embd_k);
+        }
+        if (same) {
+            continue;
+        }
+        maps[si].resize(n_layers);
+        for (uint32_t ib = 0; ib < n_layers; ++ib) {
+            const layer_state & l = layers[ib];
+            maps[si][ib].resize(l.n_embd_k);
+            for (int64_t i = 0; i < l.n_embd_k; ++i) {
+                maps[si][ib][i] = cs[ib][i] - l.c[(size_t) t.strm * l.n_embd_k + i];
+            }
+            reencode(l.k_main, t.cells, maps[si][ib]);
+        }
+        LLAMA_LOG_INFO("kvcomp: %zu restored K rows re-encoded onto stream %u's offsets\n", t.cells.size(), t.strm);
     }
-    LLAMA_LOG_INFO("kvcomp: %zu restored K rows re-encoded onto this context's offsets\n", cells.size());
     return maps;
 }
 
@@ -474,11 +671,20 @@ void llama_kvcomp_tracker::get_layer_stats(int32_t ib, llama_kvcomp_layer_stats 
     st.k_rmse         = (float) std::sqrt(l.k_err / n);
     st.k_rmse_offset  = st.k_rmse;
     st.k_rmse_plain   = (float) std::sqrt(l.k_err_plain / n);
+    // over the streams whose offset is set
     double e = 0.0;
-    for (float v : l.c) {
-        e += (double) v * v;
+    size_t n_set = 0;
+    for (uint32_t strm = 0; strm < n_stream; ++strm) {
+        if (streams[strm].status != CALIB_STATUS_SET) {
+            continue;
+        }
+        for (int64_t i = 0; i < l.n_embd_k; ++i) {
+            const double v = l.c[(size_t) strm * l.n_embd_k + i];
+            e += v * v;
+        }
+        ++n_set;
     }
-    st.k_offset_rms = l.c.empty() ? 0.0f : (float) std::sqrt(e / (double) l.c.size());
+    st.k_offset_rms = n_set == 0 ? 0.0f : (float) std::sqrt(e / (double) (n_set * l.n_embd_k));
     st.k_range_spread = 1.0f;
     const int64_t n_head_v = l.n_embd_v / l.n_embd_head_v;
     st.n_head_kv = (int32_t) n_head_v;

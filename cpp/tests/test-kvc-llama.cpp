@@ -723,6 +723,66 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
             "tracker isolation (window %d): after 20 ubatches of other text and seq_rm, a sequence is bit-identical to a fresh context's",
             kp.window);
     }
+    // Isolation between streams: a sequence's offset comes from its own first rows, whatever
+    // ubatches bring them (issue 17: a prompt that starts while other slots decode gets a
+    // first ubatch of one token, and it set the offset). Each schedule is held against the
+    // lone run; f16 under the same schedules says how far the model itself moves.
+    {
+        std::vector<llama_token> other(toks.rbegin(), toks.rbegin() + 48);
+        const auto run = [&](llama_context * ctx, int schedule) -> std::vector<float> {
+            if (!ctx) {
+                return {};
+            }
+            if (schedule == 1) {
+                // three sequences going on, then one decode of a token of each and the prompt
+                std::vector<std::array<int, 3>> items;
+                for (int s = 0; s < 3; ++s) {
+                    decode(ctx, other, 0, 40, 40, s);
+                    items.push_back({ other[40], 40, s });
+                }
+                for (int i = 0; i < 48; ++i) {
+                    items.push_back({ toks[i], i, 3 });
+                }
+                decode_multi(ctx, items);
+            } else if (schedule == 2) {
+                decode(ctx, toks, 0, 10, 1, 3);
+                decode(ctx, toks, 10, 48, 38, 3);
+            } else {
+                decode(ctx, toks, 0, 48, 48, 3);
+            }
+            return decode(ctx, toks, 48, 72, 8, 3, 24);
+        };
+        // Rows that came before the offset was set were attended as stored under c = 0, and
+        // queries that read them quantized (or rounded to a slot's F16, where a lone run reads
+        // its ubatch's rows in F32) compute other K rows than a lone run: a first ubatch of
+        // 2-31 tokens is not held (measured below, beside the same config without the
+        // tracker). A first ubatch of one token (the busy server's) reads its one key with
+        // weight 1, so it is.
+        llama_kvcomp_params windowed = buffer_params(32, 4, 32);
+        windowed.tracker = 1;
+        for (const llama_kvcomp_params & p : { trk, windowed }) {
+            llama_kvcomp_params off = p;
+            off.tracker = 0;
+            // f16, kvc4, kvc4 without the tracker
+            double diff[3][3] = {};
+            for (int t = 0; t < 3; ++t) {
+                std::vector<float> lone;
+                for (int schedule = 0; schedule < 3; ++schedule) {
+                    ctx_ptr c{ make_buffered_ctx(model, t == 2 ? off : p, t == 0 ? GGML_TYPE_F16 : GGML_TYPE_KVC4, 4, false) };
+                    const std::vector<float> l = run(c.ctx, schedule);
+                    if (schedule == 0) {
+                        lone = l;
+                    }
+                    diff[t][schedule] = lone.empty() ? INFINITY : rel_diff(l, lone);
+                }
+            }
+            rep.check(diff[1][1] <= diff[0][1],
+                "tracker isolation (split KV, window %d): a prompt decoded beside 3 busy sequences moves kvc4's logits %.2e "
+                "from its lone run, f16's %.2e", p.window, diff[1][1], diff[0][1]);
+            fprintf(stderr, "  (window %d, first 10 tokens one by one: kvc4 %.2e from its lone run, %.2e without the tracker, "
+                    "f16 %.2e)\n", p.window, diff[1][2], diff[2][2], diff[0][2]);
+        }
+    }
     // a context shift puts the offset back around RoPE, on the main rows and on the slots
     {
         auto shifted = [&](llama_context * ctx) { return decode_shifted(ctx, toks); };
