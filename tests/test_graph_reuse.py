@@ -58,8 +58,11 @@ def test_reused_graph_matches_rebuilt(model: Path, mode: str, switch_to: str) ->
     rebuilt = _run(model, mode, switch_to, reuse=False)
 
     assert rebuilt["n_reused"] == 0
-    # 24 single-token steps: all but the first reuse the graph, and all but the step after a switch
-    assert reused["n_reused"] == (22 if switch_to != "-" else 23)
+    # 24 single-token steps: all but the first reuse the graph, and all but the step after a
+    # switch; with the tracker, the step that completes a stream's first 32 positions (it
+    # stores the earlier rows again) and the step after it build their own
+    base = 22 if switch_to != "-" else 23
+    assert base - 2 <= reused["n_reused"] <= base
     assert reused["tokens"] == rebuilt["tokens"]
     diff = np.abs(np.array(reused["logits"]) - np.array(rebuilt["logits"])).max()
     assert diff <= 1e-4, f"last logits differ by {diff}"
