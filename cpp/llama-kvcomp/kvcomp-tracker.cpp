@@ -267,7 +267,7 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
     const int64_t n = l.n_embd_k;
     std::vector<uint8_t> q(k_main->nb[1]);
     std::vector<float> x(n), y(n);
-    const uint64_t n_cells = (uint64_t) k_main->ne[1] / n_stream;
+    const uint64_t n_cells = (uint64_t) ggml_nrows(k_main) / n_stream; // ([n_embd, cells, streams])
     // pass 0: as the rows came; 1: as stored (their stream's offset removed)
     for (size_t r = 0; r < n_rows; ++r) {
         const float * raw = k_rows + r * n;

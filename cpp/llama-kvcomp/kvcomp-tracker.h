@@ -27,7 +27,7 @@ class llama_io_write_i;
 struct llama_ubatch;
 
 struct llama_kvcomp_tracker {
-    // a cache layer: its K and V tensors ([n_embd, cells * streams]) and head sizes
+    // a cache layer: its K and V tensors ([n_embd, cells, streams]) and head sizes
     struct layer_desc {
         ggml_tensor * k;
         ggml_tensor * v;
