@@ -40,7 +40,8 @@ def test_server_features(bins: Path, model: Path, tmp_path: Path, config: str, l
     # 2 slots of 256 positions: a 200-token request overflows its slot, so the context shifts
     args = (*CONFIGS[config], *LAYOUTS[layout], "-np", "2", "-c", "512", "--context-shift",
             "--slot-save-path", str(tmp_path), "-md", str(model), "--spec-draft-n-max", "4")
-    greedy = {"temperature": 0, "n_predict": 16}
+    # the lengths below are what the features need (a shift past 256 positions), whatever text comes
+    greedy = {"temperature": 0, "n_predict": 16, "ignore_eos": True}
     log = tmp_path / "server.log"
     with server(bins, model, *args, log=log) as url:
         plain = post(f"{url}/completion", {"prompt": PROMPT, **greedy, "cache_prompt": False})
@@ -55,7 +56,7 @@ def test_server_features(bins: Path, model: Path, tmp_path: Path, config: str, l
         top = probs["completion_probabilities"]
         assert isinstance(top, list) and len(top) == 16 and all(len(t["top_logprobs"]) == 3 for t in top)
 
-        shifted = post(f"{url}/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 300, "id_slot": 0})
+        shifted = post(f"{url}/completion", {"prompt": PROMPT, **greedy, "n_predict": 300, "id_slot": 0})
         assert shifted["tokens_predicted"] == 300
 
         # slot 1 keeps a generation, is saved, overwritten and restored
@@ -129,7 +130,9 @@ def test_reused_prompt_past_the_spares_is_decoded_again(bins: Path, model: Path,
     answer a fresh request gets."""
     log = tmp_path / "server.log"
     with server(bins, model, "--kv-comp", "balanced", "-np", "1", "-c", "512", log=log) as url:
-        post(f"{url}/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 200, "cache_prompt": True})
+        # 200 generated tokens whatever text comes: past the spares
+        post(f"{url}/completion",
+             {"prompt": PROMPT, "temperature": 0, "n_predict": 200, "ignore_eos": True, "cache_prompt": True})
         reused = post(f"{url}/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 16, "cache_prompt": True})
         fresh = post(f"{url}/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 16, "cache_prompt": False})
         assert "the cut-back would lose exact rows, the prompt is decoded again" in log.read_text()
