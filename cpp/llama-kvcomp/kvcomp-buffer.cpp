@@ -67,7 +67,7 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         ggml_format_name(k_buf.back(), "kvcomp_k_l%u", l.il);
         ggml_format_name(v_buf.back(), "kvcomp_v_l%u", l.il);
     }
-    reencode_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, (int64_t) kv.n_stream * n_ubatch);
+    reencode_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, std::max<int64_t>(1, this->tracker ? this->tracker->n_reencode_max() : 0));
     k_written.assign(k_buf.size(), nullptr);
     v_written.assign(k_buf.size(), nullptr);
     k_cur.assign(k_buf.size(), nullptr);
@@ -716,16 +716,22 @@ void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cach
     };
     io.write(header, sizeof(header));
 
+    // the cells upstream saves: those of the sequence (all, for -1), less the ones a sliding
+    // window already hides
+    const auto saved = [&](const llama_kv_cells & cells, uint32_t c) {
+        if (cells.is_empty(c) || (seq_id != -1 && !cells.seq_has(c, seq_id))) {
+            return false;
+        }
+        return seq_id == -1 || !llama_hparams::is_masked_swa(kv.n_swa, kv.swa_type, cells.pos_get(c), cells.seq_pos_max(seq_id));
+    };
+
     const uint32_t has_tracker = tracker ? 1 : 0;
     io.write(&has_tracker, sizeof(has_tracker));
     if (tracker) {
-        // which streams hold cells upstream saves
         std::vector<bool> holds(maps.size(), false);
         for (uint32_t strm = 0; strm < maps.size(); ++strm) {
-            const auto & cells = kv.v_cells[strm];
-            for (uint32_t c = 0; c < cells.size() && !holds[strm]; ++c) {
-                holds[strm] = !cells.is_empty(c) && (seq_id == -1 || (cells.seq_has(c, seq_id) &&
-                        !llama_hparams::is_masked_swa(kv.n_swa, kv.swa_type, cells.pos_get(c), cells.seq_pos_max(seq_id))));
+            for (uint32_t c = 0; c < kv.v_cells[strm].size() && !holds[strm]; ++c) {
+                holds[strm] = saved(kv.v_cells[strm], c);
             }
         }
         tracker->state_write(io, holds);
@@ -739,11 +745,7 @@ void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cach
         std::vector<uint32_t> entry_rank, entry_slot;
         uint32_t rank = 0;
         for (uint32_t c = 0; c < cells.size(); ++c) {
-            if (cells.is_empty(c) || (seq_id != -1 && !cells.seq_has(c, seq_id))) {
-                continue;
-            }
-            // upstream leaves out the cells a sliding window already hides
-            if (seq_id != -1 && llama_hparams::is_masked_swa(kv.n_swa, kv.swa_type, cells.pos_get(c), cells.seq_pos_max(seq_id))) {
+            if (!saved(cells, c)) {
                 continue;
             }
             if (m.cell_slot[c] >= 0 && m.slot_pos[m.cell_slot[c]] == cells.pos_get(c) &&

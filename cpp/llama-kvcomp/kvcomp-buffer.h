@@ -184,7 +184,7 @@ private:
     mutable std::vector<ggml_tensor *> k_cur;
     mutable std::vector<ggml_tensor *> v_cur;
 
-    // [n_stream * n_ubatch] I64: the slot rows of the rows the tracker stores again
+    // I64: the slot rows of the rows the tracker stores again
     ggml_tensor * reencode_slots = nullptr;
     char graph_ids[3] = {};
 

@@ -19,7 +19,7 @@ static uint32_t tap_stride(uint32_t n_tokens, uint32_t n_tap) {
 
 llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params,
                                            uint32_t n_stream, uint32_t n_ubatch)
-    : params(params), n_stream(n_stream), n_ubatch(n_ubatch) {
+    : params(params), n_stream(n_stream) {
     ggml_init_params ip = { (descs.size() + 5) * ggml_tensor_overhead(), nullptr, true };
     ctx = ggml_init(ip);
     if (!ctx) {
@@ -49,9 +49,9 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
     }
     weights   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, KVCOMP_CALIB_N + 1, n_stream);
     copy_idx  = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_ubatch);
-    old_main  = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, (int64_t) n_stream * KVCOMP_CALIB_N);
-    old_raw   = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) n_stream * KVCOMP_CALIB_N);
-    old_plane = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) n_stream * KVCOMP_CALIB_N);
+    old_main  = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_reencode_max());
+    old_raw   = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_reencode_max());
+    old_plane = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_reencode_max());
     ggml_set_name(weights, "kvcomp_weights");
     ggml_set_name(copy_idx, "kvcomp_copy_idx");
 
@@ -327,41 +327,19 @@ void llama_kvcomp_tracker::on_shift() {
     }
 }
 
-bool llama_kvcomp_tracker::rows_complete(const llama_kv_cells & cells, uint32_t strm) const {
+std::vector<std::pair<uint32_t, llama_pos>> llama_kvcomp_tracker::first_rows(const llama_kv_cells & cells, uint32_t strm) const {
     const stream_state & ss = streams[strm];
-    std::vector<bool> seen(KVCOMP_CALIB_N, false);
-    uint32_t n_seen = 0;
+    std::vector<std::pair<uint32_t, llama_pos>> out;
     for (uint32_t c = 0; c < cells.size(); ++c) {
         if (cells.is_empty(c) || !cells.seq_has(c, ss.seq)) {
             continue;
         }
         const llama_pos d = cells.pos_get(c) - ss.p0;
-        if (d >= 0 && d < (llama_pos) KVCOMP_CALIB_N && !seen[d]) {
-            seen[d] = true;
-            ++n_seen;
-        }
-    }
-    return n_seen == KVCOMP_CALIB_N;
-}
-
-void llama_kvcomp_tracker::collect_old_rows(const llama_kv_cells & cells, uint32_t strm, uint32_t plane,
-                                            const std::vector<uint32_t> & cells_ub) {
-    const stream_state & ss = streams[strm];
-    std::vector<bool> in_ub(cells.size(), false);
-    for (uint32_t c : cells_ub) {
-        in_ub[c] = true;
-    }
-    for (uint32_t c = 0; c < cells.size(); ++c) {
-        if (cells.is_empty(c) || in_ub[c] || !cells.seq_has(c, ss.seq)) {
-            continue;
-        }
-        const llama_pos d = cells.pos_get(c) - ss.p0;
         if (d >= 0 && d < (llama_pos) KVCOMP_CALIB_N) {
-            old_rows.push_back((uint64_t) strm * cells.size() + c);
-            old_raw_h.push_back((int32_t) row_raw(strm, d));
-            old_plane_h.push_back((int32_t) plane);
+            out.push_back({ c, d });
         }
     }
+    return out;
 }
 
 void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ubatch) {
@@ -445,9 +423,22 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
                     all_first = false;
                 }
             }
-            if (rows_complete(cells[strm], strm)) {
+            const auto first = first_rows(cells[strm], strm);
+            std::vector<bool> seen(KVCOMP_CALIB_N, false);
+            for (const auto & [c, d] : first) {
+                seen[d] = true;
+            }
+            if (std::find(seen.begin(), seen.end(), false) == seen.end()) {
                 std::fill(wp, wp + KVCOMP_CALIB_N, 1.0f / (float) KVCOMP_CALIB_N);
-                collect_old_rows(cells[strm], strm, p, sinfo.idxs[p]);
+                // the earlier ones are stored again
+                const std::vector<uint32_t> & ub = sinfo.idxs[p];
+                for (const auto & [c, d] : first) {
+                    if (std::find(ub.begin(), ub.end(), c) == ub.end()) {
+                        old_rows.push_back((uint64_t) strm * cells[strm].size() + c);
+                        old_raw_h.push_back((int32_t) row_raw(strm, d));
+                        old_plane_h.push_back((int32_t) p);
+                    }
+                }
                 ss.status = CALIB_STATUS_SET;
                 pending_read.push_back(strm);
             } else if (!all_first) {

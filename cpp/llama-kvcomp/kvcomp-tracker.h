@@ -54,6 +54,7 @@ struct llama_kvcomp_tracker {
     ggml_tensor * reencode_rows(ggml_context * ctx) const;
     const std::vector<uint64_t> & reencode_list() const { return old_rows; }
     uint32_t n_reencode() const { return (uint32_t) old_rows.size(); }
+    uint32_t n_reencode_max() const { return n_stream * KVCOMP_CALIB_N; }
     // 0 for the graphs of one shape; a graph that stores rows again is 1 or 2, never the
     // same as the graph before it
     uint32_t graph_variant() const { return old_rows.empty() ? 0 : 1 + (uint32_t) (n_setups % 2); }
@@ -139,8 +140,8 @@ private:
     void recompute(layer_state & l);
     void measure(layer_state & l, const float * k_rows, size_t n_rows);
     void write_offsets(uint32_t strm) const;
-    bool rows_complete(const llama_kv_cells & cells, uint32_t strm) const;
-    void collect_old_rows(const llama_kv_cells & cells, uint32_t strm, uint32_t plane, const std::vector<uint32_t> & cells_ub);
+    // the cells holding the first positions of the stream's sequence, with their rank among them
+    std::vector<std::pair<uint32_t, llama_pos>> first_rows(const llama_kv_cells & cells, uint32_t strm) const;
     // The store's rows: the tap's samples, then per stream a block of the copies of its first
     // rows and its c (a plane's c is made from its own stream's block only), then a row for
     // the tokens nothing is copied from.
@@ -154,7 +155,6 @@ private:
 
     llama_kvcomp_params params;
     uint32_t n_stream;
-    uint32_t n_ubatch;
     // (mutable: resolve() completes the host copy of what the last graph computed)
     mutable std::vector<layer_state> layers;
     std::vector<stream_state> streams;
