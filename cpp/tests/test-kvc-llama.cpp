@@ -779,7 +779,7 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
             rep.check(diff[1][1] <= diff[0][1],
                 "tracker isolation (split KV, window %d): a prompt decoded beside 3 busy sequences moves kvc4's logits %.2e "
                 "from its lone run, f16's %.2e", p.window, diff[1][1], diff[0][1]);
-            fprintf(stderr, "  (window %d, first 10 tokens one by one: kvc4 %.2e from its lone run, %.2e without the tracker, "
+            printf("  (window %d, first 10 tokens one by one: kvc4 %.2e from its lone run, %.2e without the tracker, "
                     "f16 %.2e)\n", p.window, diff[1][2], diff[2][2], diff[0][2]);
         }
     }
