@@ -1,6 +1,8 @@
 """Runs the C++ tests (cpp/tests) and requires every check in them to pass. test-kvc-llama gets
 SmolLM2; the differential fuzzer test-kvc-fuzz gets its F32 copy (on the Q4_1 file any kernel
-change is a fresh draw of quantization noise, which would hide what the buffer does) and 120 s."""
+change is a fresh draw of quantization noise, which would hide what the buffer does) and 120 s;
+the state-file fuzzer test-kvc-state gets SmolLM2 and 40 s, and writes its slot files in a
+temporary folder."""
 
 from __future__ import annotations
 
@@ -15,16 +17,17 @@ from ggml_kvcomp import models
 MODELS: dict[str, tuple[str, list[str]]] = {
     "test-kvc-llama": ("smollm2-135m", []),
     "test-kvc-fuzz": ("smollm2-135m-f32", ["120"]),
+    "test-kvc-state": ("smollm2-135m", ["40"]),
 }
 
 
-@pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-llama", "test-kvc-fuzz"])
-def test_cpp(bins: Path, name: str) -> None:
+@pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-llama", "test-kvc-fuzz", "test-kvc-state"])
+def test_cpp(bins: Path, name: str, tmp_path: Path) -> None:
     args = [str(bins / name)]
     if name in MODELS:
         model, extra = MODELS[name]
         args += [str(models.fetch_model(model)), *extra]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     m = re.search(r"(\d+) passed, (\d+) failed", proc.stdout)
     assert m, proc.stdout[-2000:] + proc.stderr[-2000:]
     failed = [line for line in proc.stdout.splitlines() if "[FAIL]" in line]

@@ -71,8 +71,11 @@ extern const int8_t kvalues_kvc3[8];
 extern const int8_t kvalues_kvc2[4];
 
 // The 8-bit step code: e = 0 is an exact zero, otherwise the step is 2^((e - 160) / 8),
-// which spans 2^-20 .. 2^12 in 1/8-octave increments. Built from exponent bits so that
-// the hot dequantization loops need no exp2f.
+// 2^-20 .. 2^9 in 1/8-octave increments. Built from exponent bits so that the hot
+// dequantization loops need no exp2f. Codes above KVC_E8_MAX are not produced and not
+// accepted from a state file: with them the outermost level would leave F16's range, the
+// range every other cache type (and the residual buffer's exact rows) can hold.
+#define KVC_E8_MAX 232
 #define KVC_E8_FRAC { 1.0f, 1.09050773f, 1.18920712f, 1.29683955f, 1.41421356f, 1.54221083f, 1.68179283f, 1.83400809f }
 
 static inline float kvc_e8_to_fp32(uint8_t e) {
@@ -91,6 +94,11 @@ GGML_API void dequantize_row_kvc8(const block_kvc8 * GGML_RESTRICT x, float * GG
 GGML_API void dequantize_row_kvc4(const block_kvc4 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
 GGML_API void dequantize_row_kvc3(const block_kvc3 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
 GGML_API void dequantize_row_kvc2(const block_kvc2 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+
+// Whether nb blocks of a kvc type hold only what its quantizer writes: step codes up to
+// KVC_E8_MAX, a finite kvc8 step and kvc8 codes in [-127, 127] (ggml_validate_row_data's kvc
+// cases; a state file with other bytes is refused).
+GGML_API bool ggml_validate_row_data_kvc(enum ggml_type type, const void * data, size_t nb);
 
 // Entries for ggml.c's type_traits table.
 #define GGML_KVCOMP_TYPE_TRAIT(name, NAME)                                  \

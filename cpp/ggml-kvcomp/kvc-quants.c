@@ -49,7 +49,7 @@ static inline int kvc_clamp127(int q) {
 
 static inline uint8_t kvc_fp32_to_e8(float d) {
     const int e = (int) lrintf(8.0f * log2f(d)) + 160;
-    return (uint8_t) (e < 1 ? 1 : e > 255 ? 255 : e);
+    return (uint8_t) (e < 1 ? 1 : e > KVC_E8_MAX ? KVC_E8_MAX : e);
 }
 
 // Non-finite inputs are quantized as zero so they cannot poison the block's step or
@@ -77,7 +77,7 @@ static uint8_t kvc_quantize_sub(const kvc_codebook * cb, const float * x, int n,
     int   best_e   = e_max;
     float best_err = INFINITY;
     for (int e = e_max + KVC_SEARCH_UP; e >= e_max - KVC_SEARCH_DOWN; --e) {
-        if (e < 1 || e > 255) {
+        if (e < 1 || e > KVC_E8_MAX) {
             continue;
         }
         const float d  = kvc_e8_to_fp32((uint8_t) e);
@@ -266,4 +266,30 @@ enum ggml_type ggml_kvcomp_type_from_name(const char * name) {
         }
     }
     return GGML_TYPE_COUNT;
+}
+
+bool ggml_validate_row_data_kvc(enum ggml_type type, const void * data, size_t nb) {
+    if (type == GGML_TYPE_KVC8) {
+        const block_kvc8 * x = (const block_kvc8 *) data;
+        for (size_t b = 0; b < nb; ++b) {
+            if (!isfinite(GGML_FP16_TO_FP32(x[b].d))) {
+                return false;
+            }
+            for (int j = 0; j < QK_KVC; ++j) {
+                if (x[b].qs[j] < -127) {
+                    return false;
+                }
+            }
+        }
+        return true;
+    }
+    // every low-bit block starts with its two step codes; any code pattern is a level
+    const size_t bs = ggml_type_size(type);
+    const uint8_t * p = (const uint8_t *) data;
+    for (size_t b = 0; b < nb; ++b) {
+        if (p[b * bs] > KVC_E8_MAX || p[b * bs + 1] > KVC_E8_MAX) {
+            return false;
+        }
+    }
+    return true;
 }

@@ -776,6 +776,18 @@ void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cach
     }
 }
 
+// The exact rows of a state are F16 copies of what the model wrote; a NaN or Inf among them
+// would reach every later query exactly, so such a state is refused.
+static void check_rows_finite(ggml_tensor * t, const std::vector<uint64_t> & rows) {
+    std::vector<uint8_t> row(t->nb[1]);
+    for (uint64_t r : rows) {
+        ggml_backend_tensor_get(t, row.data(), r * t->nb[1], row.size());
+        if (!ggml_validate_row_data(t->type, row.data(), row.size())) {
+            throw std::runtime_error("residual buffer section holds non-finite values");
+        }
+    }
+}
+
 void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, llama_seq_id seq_id,
                                      const llama_kv_cache::slot_info_vec_t & sinfos) {
     if (!buffered && !tracker) {
@@ -889,6 +901,12 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
                     for (uint64_t r : rows) {
                         io.read_tensor(t, r * t->nb[1], t->nb[1]);
                     }
+                }
+                // a host buffer's reader applies its rows at its end: before the check and the
+                // re-encode below read them back
+                if (io.flush()) {
+                    check_rows_finite(k_buf[ib], rows);
+                    check_rows_finite(v_buf[ib], rows);
                 }
                 if (!moved[si].empty()) {
                     llama_kvcomp_tracker::reencode(k_buf[ib], rows, moved[si][ib]);

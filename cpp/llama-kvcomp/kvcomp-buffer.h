@@ -126,6 +126,13 @@ struct llama_kvcomp_buffer {
     void state_read(llama_io_read_i & io, llama_kv_cache & kv, llama_seq_id seq_id,
                     const llama_kv_cache::slot_info_vec_t & sinfos);
 
+    // Applies what io read so far and checks the K/V rows upstream restored into the cells of
+    // sinfos (any cache, with or without kvcomp; kvcomp-state.cpp): on a row with non-finite
+    // values or codes out of range, empties what the read restored and throws the reason.
+    // A reader that cannot apply early (on-device states) leaves the rows unchecked.
+    static void check_restored_rows(llama_io_read_i & io, llama_kv_cache & kv, llama_seq_id seq_id,
+                                    const llama_kv_cache::slot_info_vec_t & sinfos);
+
 private:
     enum slot_kind : uint8_t {
         SLOT_KIND_FREE,

@@ -545,6 +545,8 @@ void llama_kvcomp_tracker::reencode(ggml_tensor * t, const std::vector<uint64_t>
 
 std::vector<std::vector<std::vector<float>>> llama_kvcomp_tracker::state_read(llama_io_read_i & io,
         const std::vector<restore_target> & targets, llama_seq_id seq_id, bool present) {
+    // the offsets a restored sequence moves onto must be the ones in force, not last step's
+    resolve();
     const uint32_t n_layers = (uint32_t) layers.size();
     if (present) {
         uint32_t n = 0, ns = 0;

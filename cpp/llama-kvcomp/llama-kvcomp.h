@@ -222,11 +222,17 @@ enum llama_kvcomp_format {
 
 // The latest snapshot as text (any thread), like snprintf: writes at most size bytes
 // including the terminating 0 and returns the full length, or -1 without monitoring.
-// layer >= 0 keeps that model layer's rows only (JSON), -1 all.
+// layer >= 0 keeps that model layer's per-head rows only (both formats), -1 all.
 LLAMA_API int64_t llama_kvcomp_snapshot_text(struct llama_context * ctx, int32_t format, int32_t layer, char * buf, size_t size);
 
 // Why params are invalid, or NULL when they are valid.
 LLAMA_API const char * llama_kvcomp_params_error(const struct llama_kvcomp_params * params);
+
+// Why the last call on this thread that failed did so, or NULL after a success: the state API
+// (llama_state_load_file, llama_state_set_data, llama_state_seq_*: 0 or false is the return
+// code, this is the message; docs/state.md), llama_kvcomp_configure and llama_kvcomp_set_mode.
+// The text stays valid until the next such call on the thread.
+LLAMA_API const char * llama_kvcomp_last_error(void);
 
 #ifdef __cplusplus
 }

@@ -165,10 +165,10 @@ __device__ void kvc_quantize_block_warp(const float * v, uint8_t * y, const floa
             amax = fmaxf(amax, fabsf(vs[i]));
         }
         // the shuffles below need every lane, so a zero sub-block searches nothing but still joins
-        const int e_max = amax > 0.0f ? min(255, max(1, __float2int_rn(8.0f*log2f(amax / lv[n - 1])) + 160)) : 0;
+        const int e_max = amax > 0.0f ? min(KVC_E8_MAX, max(1, __float2int_rn(8.0f*log2f(amax / lv[n - 1])) + 160)) : 0;
         const int e_try = e_max + KVC_SEARCH_UP - ci;
         float err = INFINITY;
-        if (amax > 0.0f && ci <= KVC_SEARCH_UP + KVC_SEARCH_DOWN && e_try >= 1 && e_try <= 255) {
+        if (amax > 0.0f && ci <= KVC_SEARCH_UP + KVC_SEARCH_DOWN && e_try >= 1 && e_try <= KVC_E8_MAX) {
             const float d  = kvc_step((uint8_t) e_try);
             const float id = 1.0f / d;
             err = 0.0f;

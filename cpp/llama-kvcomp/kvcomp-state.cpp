@@ -1,0 +1,443 @@
+// Verified states: the seal every state this build writes ends with, the checks before a
+// state is read, and the check of every K/V row a state restores (docs/state.md).
+
+#include "kvcomp-state.h"
+
+#include "kvcomp-buffer.h"
+#include "llama-kvcomp.h"
+
+#include "llama-impl.h"
+#include "llama-io.h"
+#include "llama-kv-cache.h"
+#include "llama-mmap.h"
+
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+thread_local std::string kvcomp_last_error;
+thread_local bool        kvcomp_in_state_op = false;
+
+// Upstream gives most reasons for refusing a state only to the log (a mismatched row size,
+// no room for the cells): while a state operation runs on this thread, its first error line
+// becomes the reason too. The callback in force is chained, so logging is unchanged.
+struct kvcomp_log_chain {
+    ggml_log_callback prev    = nullptr;
+    void *            prev_ud = nullptr;
+
+    static kvcomp_log_chain & get() {
+        static kvcomp_log_chain chain;
+        static std::once_flag once;
+        std::call_once(once, []() {
+            llama_log_get(&chain.prev, &chain.prev_ud);
+            llama_log_set(callback, nullptr);
+        });
+        return chain;
+    }
+
+    static void callback(ggml_log_level level, const char * text, void *) {
+        if (kvcomp_in_state_op && level == GGML_LOG_LEVEL_ERROR && kvcomp_last_error.empty() && text) {
+            std::string line(text);
+            while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) {
+                line.pop_back();
+            }
+            kvcomp_last_error = line;
+        }
+        const kvcomp_log_chain & c = get();
+        if (c.prev) {
+            c.prev(level, text, c.prev_ud);
+        }
+    }
+};
+
+// Marks a state operation on this thread: clears the last reason, captures upstream's.
+struct kvcomp_state_op {
+    kvcomp_state_op() {
+        kvcomp_log_chain::get();
+        kvcomp_last_error.clear();
+        kvcomp_in_state_op = true;
+    }
+    ~kvcomp_state_op() { kvcomp_in_state_op = false; }
+};
+
+// Four lanes over 32-byte stripes: each step of a lane is a bijection of the lane for a given
+// word, so a change to any one word always changes the digest.
+struct kvcomp_hasher {
+    static constexpr uint64_t K0 = 0x9e3779b97f4a7c15ull;
+    static constexpr uint64_t K1 = 0xc2b2ae3d27d4eb4full;
+
+    uint64_t lane[4] = { K0, K1, ~K0, ~K1 };
+    uint8_t  pending[32];
+    size_t   n_pending = 0;
+    uint64_t n_total   = 0;
+
+    static uint64_t step(uint64_t h, uint64_t w) {
+        h = (h ^ w) * K1;
+        return h ^ (h >> 29);
+    }
+
+    void stripe(const uint8_t * p) {
+        for (int i = 0; i < 4; ++i) {
+            uint64_t w;
+            std::memcpy(&w, p + 8 * i, sizeof(w));
+            lane[i] = step(lane[i], w);
+        }
+    }
+
+    void update(const void * data, size_t n) {
+        const uint8_t * p = (const uint8_t *) data;
+        n_total += n;
+        if (n_pending > 0) {
+            const size_t take = std::min(n, sizeof(pending) - n_pending);
+            std::memcpy(pending + n_pending, p, take);
+            n_pending += take;
+            p += take;
+            n -= take;
+            if (n_pending < sizeof(pending)) {
+                return;
+            }
+            stripe(pending);
+            n_pending = 0;
+        }
+        for (; n >= sizeof(pending); p += sizeof(pending), n -= sizeof(pending)) {
+            stripe(p);
+        }
+        std::memcpy(pending, p, n);
+        n_pending = n;
+    }
+
+    uint64_t digest() const {
+        uint8_t last[32] = {};
+        std::memcpy(last, pending, n_pending);
+        uint64_t l[4] = { lane[0], lane[1], lane[2], lane[3] };
+        for (int i = 0; i < 4; ++i) {
+            uint64_t w;
+            std::memcpy(&w, last + 8 * i, sizeof(w));
+            l[i] = step(l[i], w);
+        }
+        uint64_t h = n_total * K0;
+        for (int i = 0; i < 4; ++i) {
+            h = step(h + ((l[i] << (7 * i + 1)) | (l[i] >> (63 - 7 * i))), K0);
+        }
+        return h ^ (h >> 32);
+    }
+};
+
+// What ends a sealed state: the digest of the n_bytes before it.
+struct kvcomp_seal {
+    uint64_t digest;
+    uint64_t n_bytes;
+    uint32_t version;
+    uint32_t magic;
+};
+static_assert(sizeof(kvcomp_seal) == 24, "the seal has no padding");
+
+constexpr uint32_t KVCOMP_SEAL_MAGIC   = 0x4c414553; // "SEAL"
+constexpr uint32_t KVCOMP_SEAL_VERSION = 1;
+
+kvcomp_seal kvcomp_seal_of(const kvcomp_hasher & h) {
+    return { h.digest(), h.n_total, KVCOMP_SEAL_VERSION, KVCOMP_SEAL_MAGIC };
+}
+
+// Whether the last bytes of a state of `size` bytes look like a seal of the bytes before it.
+bool kvcomp_is_seal(const kvcomp_seal & s, size_t size) {
+    return size >= sizeof(kvcomp_seal) && s.magic == KVCOMP_SEAL_MAGIC && s.n_bytes == size - sizeof(kvcomp_seal);
+}
+
+void kvcomp_check_seal(const kvcomp_seal & s, const kvcomp_hasher & h) {
+    if (s.version != KVCOMP_SEAL_VERSION) {
+        throw std::runtime_error("the state's seal is version " + std::to_string(s.version) + ", this build reads " +
+                                 std::to_string(KVCOMP_SEAL_VERSION));
+    }
+    if (s.digest != h.digest()) {
+        throw std::runtime_error("checksum mismatch: the state was changed after it was saved");
+    }
+}
+
+struct kvcomp_file_closer {
+    void operator()(FILE * f) const { std::fclose(f); }
+};
+using kvcomp_file_ptr = std::unique_ptr<FILE, kvcomp_file_closer>;
+
+kvcomp_file_ptr kvcomp_open(const char * path, const char * mode) {
+    kvcomp_file_ptr f(std::fopen(path, mode));
+    if (!f) {
+        throw std::runtime_error(std::string("cannot open ") + path + ": " + std::strerror(errno));
+    }
+    return f;
+}
+
+// The digest of the first n bytes of a file.
+kvcomp_hasher kvcomp_hash_file(FILE * f, size_t n) {
+    kvcomp_hasher h;
+    std::vector<uint8_t> buf(1u << 20);
+    std::fseek(f, 0, SEEK_SET);
+    while (n > 0) {
+        const size_t want = std::min(n, buf.size());
+        if (std::fread(buf.data(), 1, want, f) != want) {
+            throw std::runtime_error("the state file could not be read back");
+        }
+        h.update(buf.data(), want);
+        n -= want;
+    }
+    return h;
+}
+
+size_t kvcomp_file_size(FILE * f) {
+    std::fseek(f, 0, SEEK_END);
+    const long size = std::ftell(f);
+    if (size < 0) {
+        throw std::runtime_error("the state file has no size");
+    }
+    return (size_t) size;
+}
+
+// Runs f, keeping the reason of an exception; returns 0 then.
+size_t kvcomp_guard(const std::function<size_t()> & f) {
+    try {
+        return f();
+    } catch (const std::exception & e) {
+        llama_kvcomp_state_failed(e.what());
+        LLAMA_LOG_ERROR("kvcomp: state refused: %s\n", e.what());
+        return 0;
+    }
+}
+
+} // namespace
+
+void llama_kvcomp_set_last_error(const std::string & reason) {
+    kvcomp_last_error = reason;
+}
+
+void llama_kvcomp_state_failed(const char * reason) {
+    if (kvcomp_last_error.empty()) {
+        kvcomp_last_error = reason && *reason ? reason : "refused (see the log)";
+    }
+}
+
+const char * llama_kvcomp_last_error(void) {
+    return kvcomp_last_error.empty() ? nullptr : kvcomp_last_error.c_str();
+}
+
+size_t llama_kvcomp_state_seal_size() {
+    return sizeof(kvcomp_seal);
+}
+
+size_t llama_kvcomp_state_sealed_size(size_t n) {
+    return n ? n + sizeof(kvcomp_seal) : 0;
+}
+
+size_t llama_kvcomp_state_save(uint8_t * dst, size_t size, const std::function<size_t(size_t)> & save) {
+    const kvcomp_state_op op;
+    if (size < sizeof(kvcomp_seal)) {
+        llama_kvcomp_state_failed("the buffer is smaller than the state");
+        return 0;
+    }
+    const size_t n = save(size - sizeof(kvcomp_seal));
+    if (n == 0) {
+        llama_kvcomp_state_failed(nullptr);
+        return 0;
+    }
+    kvcomp_hasher h;
+    h.update(dst, n);
+    const kvcomp_seal s = kvcomp_seal_of(h);
+    std::memcpy(dst + n, &s, sizeof(s));
+    return n + sizeof(s);
+}
+
+size_t llama_kvcomp_state_load(const uint8_t * src, size_t size, const std::function<size_t(size_t)> & load,
+                               const std::function<void()> & clear) {
+    const kvcomp_state_op op;
+    // the deprecated llama_set_state_data passes no size: nothing marks where a seal would be
+    if (size == SIZE_MAX) {
+        return load(size);
+    }
+    return kvcomp_guard([&]() -> size_t {
+        size_t payload = size;
+        kvcomp_seal s = {};
+        if (size >= sizeof(s)) {
+            std::memcpy(&s, src + size - sizeof(s), sizeof(s));
+        }
+        if (kvcomp_is_seal(s, size)) {
+            kvcomp_hasher h;
+            h.update(src, s.n_bytes);
+            kvcomp_check_seal(s, h);
+            payload = s.n_bytes;
+        }
+        const size_t n = load(payload);
+        if (n == 0 || n != payload) {
+            clear();
+        }
+        if (n == 0) {
+            throw std::runtime_error(kvcomp_last_error.empty() ? "refused (see the log)" : kvcomp_last_error);
+        }
+        if (n != payload) {
+            throw std::runtime_error(std::to_string(payload - n) + " bytes after the state");
+        }
+        return size;
+    });
+}
+
+size_t llama_kvcomp_state_save_file(const char * path, const std::function<size_t()> & save) {
+    const kvcomp_state_op op;
+    return kvcomp_guard([&]() -> size_t {
+        const size_t n = save();
+        if (n == 0) {
+            throw std::runtime_error("the state could not be written");
+        }
+        kvcomp_seal s;
+        size_t size = 0;
+        {
+            auto f = kvcomp_open(path, "rb");
+            size = kvcomp_file_size(f.get());
+            s = kvcomp_seal_of(kvcomp_hash_file(f.get(), size));
+        }
+        auto f = kvcomp_open(path, "ab");
+        if (std::fwrite(&s, sizeof(s), 1, f.get()) != 1 || std::fflush(f.get()) != 0) {
+            throw std::runtime_error(std::string("cannot write the seal of ") + path);
+        }
+        return size + sizeof(s);
+    });
+}
+
+size_t llama_kvcomp_state_load_file(const char * path, uint32_t magic, uint32_t version, bool verify, size_t n_token_capacity,
+                                    const std::function<size_t()> & load, const std::function<void()> & clear) {
+    const kvcomp_state_op op;
+    return kvcomp_guard([&]() -> size_t {
+        size_t tail = 0;
+        if (verify) {
+            auto f = kvcomp_open(path, "rb");
+            const size_t size = kvcomp_file_size(f.get());
+            uint32_t header[3] = {};
+            std::fseek(f.get(), 0, SEEK_SET);
+            if (std::fread(header, sizeof(header), 1, f.get()) != 1) {
+                throw std::runtime_error("the state file is cut short (no header)");
+            }
+            if (header[0] != magic) {
+                char buf[96];
+                std::snprintf(buf, sizeof(buf), "not a state file of this kind (magic %08x, expected %08x)", header[0], magic);
+                throw std::runtime_error(buf);
+            }
+            if (header[1] != version) {
+                throw std::runtime_error("state file version " + std::to_string(header[1]) + ", this build reads " +
+                                         std::to_string(version));
+            }
+            if (header[2] > n_token_capacity) {
+                throw std::runtime_error("the state holds " + std::to_string(header[2]) + " tokens, the caller has room for " +
+                                         std::to_string(n_token_capacity));
+            }
+            kvcomp_seal s = {};
+            if (size >= sizeof(s)) {
+                std::fseek(f.get(), (long) (size - sizeof(s)), SEEK_SET);
+                if (std::fread(&s, sizeof(s), 1, f.get()) != 1) {
+                    throw std::runtime_error("the state file could not be read");
+                }
+            }
+            if (kvcomp_is_seal(s, size)) {
+                kvcomp_check_seal(s, kvcomp_hash_file(f.get(), s.n_bytes));
+                tail = sizeof(s);
+            }
+        }
+        size_t n = 0;
+        try {
+            n = load();
+        } catch (const std::exception & e) {
+            llama_kvcomp_state_failed(e.what());
+        }
+        if (n == 0) {
+            clear();
+            std::string why = kvcomp_last_error.empty() ? "refused (see the log)" : kvcomp_last_error;
+            if (verify && tail == 0) {
+                why += " (the file has no seal: it was cut short, or written by another build)";
+            }
+            kvcomp_last_error = why;
+            throw std::runtime_error(why);
+        }
+        // a byte count (sequence files) counts the seal as read
+        return n > 1 ? n + tail : n;
+    });
+}
+
+size_t llama_kvcomp_state_file_tail(llama_file & file) {
+    const size_t size = file.size();
+    if (size < sizeof(kvcomp_seal)) {
+        return 0;
+    }
+    const size_t pos = file.tell();
+    kvcomp_seal s;
+    file.seek(size - sizeof(s), SEEK_SET);
+    file.read_raw(&s, sizeof(s));
+    file.seek(pos, SEEK_SET);
+    return kvcomp_is_seal(s, size) ? sizeof(s) : 0;
+}
+
+void llama_kvcomp_buffer::check_restored_rows(llama_io_read_i & io, llama_kv_cache & kv, llama_seq_id seq_id,
+                                              const llama_kv_cache::slot_info_vec_t & sinfos) {
+    if (!io.flush()) {
+        return;
+    }
+    std::vector<uint8_t> buf;
+    const auto check = [&](ggml_tensor * t, uint32_t strm, uint32_t c0, uint32_t n, bool trans, const char * what, uint32_t il) {
+        if (!trans) {
+            buf.resize(t->nb[1] * n);
+            ggml_backend_tensor_get(t, buf.data(), strm * t->nb[2] + c0 * t->nb[1], buf.size());
+            if (ggml_validate_row_data(t->type, buf.data(), buf.size())) {
+                return;
+            }
+        } else {
+            // a transposed V (unquantized, no flash attention) holds channel j of every cell in
+            // the stream's row j
+            const size_t es = ggml_element_size(t);
+            buf.resize(t->nb[2]);
+            ggml_backend_tensor_get(t, buf.data(), strm * t->nb[2], buf.size());
+            std::vector<uint8_t> col(es * t->ne[0] * n);
+            for (uint32_t i = 0; i < n; ++i) {
+                for (int64_t j = 0; j < t->ne[0]; ++j) {
+                    std::memcpy(col.data() + (i * t->ne[0] + j) * es, buf.data() + (j * t->ne[1] + c0 + i) * es, es);
+                }
+            }
+            if (ggml_validate_row_data(t->type, col.data(), col.size())) {
+                return;
+            }
+        }
+        if (seq_id == -1) {
+            kv.clear(true);
+        } else {
+            kv.seq_rm(seq_id, -1, -1);
+        }
+        throw std::runtime_error(std::string("the state's ") + what + " rows of layer " + std::to_string(il) +
+                                 " hold non-finite values or codes out of range (" + ggml_type_name(t->type) + ", cells " +
+                                 std::to_string(c0) + ".." + std::to_string(c0 + n - 1) + ")");
+    };
+    for (const auto & si : sinfos) {
+        if (si.empty()) {
+            continue;
+        }
+        const uint32_t strm = (uint32_t) si.strm[0];
+        const auto & idxs = si.idxs[0];
+        // upstream restores a sequence into runs of consecutive cells: one read per run
+        for (size_t i = 0; i < idxs.size();) {
+            size_t j = i + 1;
+            while (j < idxs.size() && idxs[j] == idxs[j - 1] + 1) {
+                ++j;
+            }
+            for (const auto & l : kv.layers) {
+                check(l.k, strm, idxs[i], (uint32_t) (j - i), false, "K", l.il);
+                if (l.v) {
+                    check(l.v, strm, idxs[i], (uint32_t) (j - i), kv.v_trans, "V", l.il);
+                }
+            }
+            i = j;
+        }
+    }
+}
