@@ -2,6 +2,7 @@
 
 #include "kvcomp-buffer.h"
 #include "kvcomp-monitor.h"
+#include "kvcomp-state.h"
 #include "llama-kvcomp.h"
 
 #include "llama-impl.h"
@@ -36,6 +37,13 @@ constexpr kvcomp_mode_row KVCOMP_MODES[] = {
     { "high-precision", GGML_TYPE_KVC8, GGML_TYPE_KVC8,  32,  4,  8, 0.0f,  1.0f,  1 },
 };
 static_assert(sizeof(KVCOMP_MODES) / sizeof(KVCOMP_MODES[0]) == LLAMA_KVCOMP_MODE_CUSTOM, "one table row per mode");
+
+// Logs why a call failed and keeps it for llama_kvcomp_last_error.
+int32_t kvcomp_fail(int32_t rc, const std::string & why) {
+    LLAMA_LOG_ERROR("kvcomp: %s\n", why.c_str());
+    llama_kvcomp_set_last_error(why);
+    return rc;
+}
 
 } // namespace
 
@@ -152,15 +160,28 @@ const char * llama_kvcomp_params_error(const llama_kvcomp_params * p) {
 }
 
 int32_t llama_kvcomp_configure(llama_context * ctx, const llama_kvcomp_params * params) {
+    llama_kvcomp_set_last_error("");
     const char * err = llama_kvcomp_params_error(params);
     if (!ctx || err) {
-        LLAMA_LOG_ERROR("%s: invalid parameters: %s\n", __func__, err ? err : "no context");
-        return -1;
+        return kvcomp_fail(-1, std::string("invalid parameters: ") + (err ? err : "no context"));
+    }
+    // a window, sinks or a merge interval beyond the context could never be used up, and only
+    // size the buffer past what the machine holds
+    const uint32_t n_ctx = llama_n_ctx(ctx);
+    const struct { const char * name; const char * flag; int32_t value; } bounded[] = {
+        { "window",         "--kv-comp-window", params->window },
+        { "sinks",          "--kv-comp-sinks",  params->sinks },
+        { "merge interval", "--kv-comp-merge",  params->merge_interval },
+    };
+    for (const auto & b : bounded) {
+        if ((uint32_t) b.value > n_ctx) {
+            return kvcomp_fail(-1, std::string(b.flag) + " " + std::to_string(b.value) + ": the " + b.name +
+                                   " is larger than the context (" + std::to_string(n_ctx) + " tokens, -c)");
+        }
     }
     const auto caches = llama_kvcomp_caches(ctx);
     if (caches.empty()) {
-        LLAMA_LOG_ERROR("%s: kvcomp needs a transformer KV cache (this model's memory is recurrent or hybrid)\n", __func__);
-        return -2;
+        return kvcomp_fail(-2, "kvcomp needs a transformer KV cache (this model's memory is recurrent or hybrid)");
     }
     // a context whose caches have never been configured has no monitor yet: an entry left by
     // a freed context at the same address is not its
@@ -204,8 +225,7 @@ int32_t llama_kvcomp_get_cache_types(llama_context * ctx, ggml_type * type_k, gg
 int32_t llama_kvcomp_set_mode(llama_context * ctx, int32_t mode) {
     llama_kvcomp_params p;
     if (llama_kvcomp_mode_preset(mode, &p, nullptr, nullptr) != 0) {
-        LLAMA_LOG_ERROR("%s: unknown mode %d\n", __func__, mode);
-        return -1;
+        return kvcomp_fail(-1, "unknown mode " + std::to_string(mode));
     }
     ggml_type type_k = GGML_TYPE_F16, type_v = GGML_TYPE_F16;
     if (mode == LLAMA_KVCOMP_MODE_OFF && llama_kvcomp_get_cache_types(ctx, &type_k, &type_v) == 0 &&
@@ -214,6 +234,11 @@ int32_t llama_kvcomp_set_mode(llama_context * ctx, int32_t mode) {
         // stays exact in the residual buffer instead (as much memory as an F16 cache)
         p.window = (int32_t) llama_n_ctx_seq(ctx);
     }
+    // a preset's window, sinks and merge interval shrink to a smaller context
+    const int32_t n_ctx = (int32_t) llama_n_ctx(ctx);
+    p.window         = std::min(p.window, n_ctx);
+    p.sinks          = std::min(p.sinks, n_ctx);
+    p.merge_interval = std::min(p.merge_interval, n_ctx);
     const int32_t rc = llama_kvcomp_configure(ctx, &p);
     if (rc == 0) {
         LLAMA_LOG_INFO("kvcomp: mode switched to %s for new tokens (cache types stay as created)\n", llama_kvcomp_mode_name(mode));

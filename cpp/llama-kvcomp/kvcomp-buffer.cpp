@@ -1,4 +1,5 @@
 #include "kvcomp-buffer.h"
+#include "kvcomp-state.h"
 
 #include "llama-batch.h"
 #include "llama-cparams.h"
@@ -95,6 +96,9 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
 }
 
 llama_kvcomp_buffer::~llama_kvcomp_buffer() {
+    if (n_overflow > 1) {
+        LLAMA_LOG_WARN("kvcomp: %lld positions found the residual buffer full and stayed quantized\n", (long long) n_overflow);
+    }
     ggml_backend_buffer_free(buf);
     ggml_free(ctx);
 }
@@ -427,8 +431,12 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
             }
             if (pick == n_slots()) {
                 // pins and rows still in some window fill every slot: the token is attended
-                // through its quantized row, which is correct, only not exact
-                LLAMA_LOG_WARN("%s: residual buffer full, position %d stays quantized\n", __func__, pos);
+                // through its quantized row, which is correct, only not exact. Said once per
+                // buffer (this repeats per token); the count is in the stats and at the end.
+                if (n_overflow == 0) {
+                    LLAMA_LOG_WARN("%s: residual buffer full, position %d stays quantized (further ones are counted, "
+                                   "not logged)\n", __func__, pos);
+                }
                 ++n_overflow;
                 continue;
             }
@@ -975,6 +983,7 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
     }
     if (kv.v_trans && ((wants_slots(params) && lossy(kv)) || wants_tracker || tracker)) {
         LLAMA_LOG_ERROR("%s: kvcomp needs flash attention (-fa on)\n", __func__);
+        llama_kvcomp_set_last_error("kvcomp needs flash attention (-fa on)");
         return -2;
     }
     try {
@@ -995,7 +1004,13 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
         }
         kv.kvcomp = next;
     } catch (const std::exception & e) {
-        LLAMA_LOG_ERROR("%s: %s\n", __func__, e.what());
+        // the residual buffer is what grows with the knobs: say which ones sized it
+        const std::string why = std::string("the residual buffer could not be allocated (") + e.what() + "): window " +
+            std::to_string(params.window) + ", sinks " + std::to_string(params.sinks) + ", merge interval " +
+            std::to_string(params.merge_interval) + " and pin budget " + std::to_string(params.pin_budget) +
+            "% size it; lower --kv-comp-window, --kv-comp-sinks, --kv-comp-merge or --kv-comp-pin-budget";
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, why.c_str());
+        llama_kvcomp_set_last_error(why);
         return -3;
     }
     return 0;

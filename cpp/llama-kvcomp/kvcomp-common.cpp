@@ -6,6 +6,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -128,6 +132,27 @@ static bool kvcomp_parse_switch(const char * flag, const std::string & value) {
     throw std::invalid_argument(std::string(flag) + ": expected on or off, got '" + value + "'");
 }
 
+// A whole decimal number in int32's range: upstream's int flags read leading digits only
+// ("32abc" is 32, "1e3" is 1).
+static int32_t kvcomp_parse_int(const char * flag, const std::string & value) {
+    size_t end = 0;
+    long long v = 0;
+    try {
+        v = std::stoll(value, &end, 10);
+    } catch (const std::out_of_range &) {
+        throw std::invalid_argument(std::string(flag) + ": out of range: '" + value + "'");
+    } catch (const std::exception &) {
+        end = 0;
+    }
+    if (end == 0 || end != value.size() || std::isspace((unsigned char) value[0])) {
+        throw std::invalid_argument(std::string(flag) + ": not a whole number: '" + value + "'");
+    }
+    if (v < INT32_MIN || v > INT32_MAX) {
+        throw std::invalid_argument(std::string(flag) + ": out of range: '" + value + "'");
+    }
+    return (int32_t) v;
+}
+
 static float kvcomp_parse_float(const char * flag, const std::string & value) {
     size_t end = 0;
     float v = 0.0f;
@@ -136,8 +161,11 @@ static float kvcomp_parse_float(const char * flag, const std::string & value) {
     } catch (const std::exception &) {
         end = 0;
     }
-    if (end == 0 || end != value.size()) {
+    if (end == 0 || end != value.size() || std::isspace((unsigned char) value[0])) {
         throw std::invalid_argument(std::string(flag) + ": not a number: '" + value + "'");
+    }
+    if (!std::isfinite(v)) {
+        throw std::invalid_argument(std::string(flag) + ": not a finite number: '" + value + "'");
     }
     return v;
 }
@@ -158,22 +186,25 @@ std::vector<common_arg> common_kvcomp_args() {
         {"--kv-comp-window"}, "W",
         "kvcomp residual buffer: the newest W positions stay exact (F16) for every query (default: 0, off; "
         "needs -fa on; on an f16/f32 cache, which is exact already, it stays off)",
-        [](common_params & params, int value) {
-            kvcomp_set(params, "--kv-comp-window", KVCOMP_KNOB_WINDOW, &llama_kvcomp_params::window, value);
+        [](common_params & params, const std::string & value) {
+            kvcomp_set(params, "--kv-comp-window", KVCOMP_KNOB_WINDOW, &llama_kvcomp_params::window,
+                kvcomp_parse_int("--kv-comp-window", value));
         }
     ).set_env("LLAMA_ARG_KV_COMP_WINDOW"));
     args.push_back(common_arg(
         {"--kv-comp-sinks"}, "S",
         "kvcomp residual buffer: the first S positions of each sequence stay exact (default: 0)",
-        [](common_params & params, int value) {
-            kvcomp_set(params, "--kv-comp-sinks", KVCOMP_KNOB_SINKS, &llama_kvcomp_params::sinks, value);
+        [](common_params & params, const std::string & value) {
+            kvcomp_set(params, "--kv-comp-sinks", KVCOMP_KNOB_SINKS, &llama_kvcomp_params::sinks,
+                kvcomp_parse_int("--kv-comp-sinks", value));
         }
     ).set_env("LLAMA_ARG_KV_COMP_SINKS"));
     args.push_back(common_arg(
         {"--kv-comp-merge"}, "N",
         "kvcomp residual buffer: release the slots of tokens that left the window every N ubatches (default: 1)",
-        [](common_params & params, int value) {
-            kvcomp_set(params, "--kv-comp-merge", KVCOMP_KNOB_MERGE, &llama_kvcomp_params::merge_interval, value);
+        [](common_params & params, const std::string & value) {
+            kvcomp_set(params, "--kv-comp-merge", KVCOMP_KNOB_MERGE, &llama_kvcomp_params::merge_interval,
+                kvcomp_parse_int("--kv-comp-merge", value));
         }
     ).set_env("LLAMA_ARG_KV_COMP_MERGE"));
     args.push_back(common_arg(
@@ -233,8 +264,9 @@ std::vector<common_arg> common_kvcomp_args() {
     args.push_back(common_arg(
         {"--kv-comp-ppl-window"}, "N",
         "kvcomp monitor: generated tokens per perplexity window (default: 64)",
-        [](common_params &, int value) {
-            kvcomp_set_monitor("--kv-comp-ppl-window", &llama_kvcomp_monitor_params::ppl_window, value);
+        [](common_params &, const std::string & value) {
+            kvcomp_set_monitor("--kv-comp-ppl-window", &llama_kvcomp_monitor_params::ppl_window,
+                kvcomp_parse_int("--kv-comp-ppl-window", value));
         }
     ).set_env("LLAMA_ARG_KV_COMP_PPL_WINDOW"));
     args.push_back(common_arg(
@@ -249,8 +281,9 @@ std::vector<common_arg> common_kvcomp_args() {
         {"--kv-comp-degrade-windows"}, "K",
         "kvcomp monitor: K windows above baseline in a row step the mode down high-precision -> balanced -> "
         "low-latency -> off (default: 3; 0: never)",
-        [](common_params &, int value) {
-            kvcomp_set_monitor("--kv-comp-degrade-windows", &llama_kvcomp_monitor_params::degrade_windows, value);
+        [](common_params &, const std::string & value) {
+            kvcomp_set_monitor("--kv-comp-degrade-windows", &llama_kvcomp_monitor_params::degrade_windows,
+                kvcomp_parse_int("--kv-comp-degrade-windows", value));
         }
     ).set_env("LLAMA_ARG_KV_COMP_DEGRADE_WINDOWS"));
     args.push_back(common_arg(
@@ -327,15 +360,24 @@ bool common_kvcomp_check(const common_params & params) {
 }
 
 bool common_kvcomp_apply(llama_context * ctx, const common_params & params) {
-    const llama_kvcomp_params & p = params.kvcomp;
+    llama_kvcomp_params p = params.kvcomp;
     if (p.mode == LLAMA_KVCOMP_MODE_CUSTOM && p.window == 0 && p.sinks == 0 && p.pin_threshold == 0.0f && p.tracker == 0) {
         return true;
     }
+    // a mode's window, sinks and merge interval shrink to a smaller context; values given as
+    // flags are the user's and are checked against it (llama_kvcomp_configure)
+    const int32_t n_ctx = (int32_t) llama_n_ctx(ctx);
+    const uint32_t set = kvcomp_knobs_set();
+    if (!((set >> KVCOMP_KNOB_WINDOW) & 1u)) p.window         = std::min(p.window, n_ctx);
+    if (!((set >> KVCOMP_KNOB_SINKS) & 1u))  p.sinks          = std::min(p.sinks, n_ctx);
+    if (!((set >> KVCOMP_KNOB_MERGE) & 1u))  p.merge_interval = std::min(p.merge_interval, n_ctx);
     ggml_type type_k = GGML_TYPE_COUNT, type_v = GGML_TYPE_COUNT;
     llama_kvcomp_get_cache_types(ctx, &type_k, &type_v);
     kvcomp_log_config(p, type_k, type_v);
+    // the reason is printed here too: llama-bench silences llama's log
     if (llama_kvcomp_configure(ctx, &p) != 0 || llama_kvcomp_set_monitor(ctx, &kvcomp_monitor_params()) != 0) {
-        LOG_ERR("kvcomp: the configuration could not be applied (see the reason above)\n");
+        const char * why = llama_kvcomp_last_error();
+        LOG_ERR("kvcomp: the configuration could not be applied: %s\n", why ? why : "see the reason above");
         return false;
     }
     return true;
@@ -358,16 +400,7 @@ bool common_kvcomp_bench_arg(int argc, char ** argv, int & i, bool & invalid_par
             return true;
         }
         try {
-            if (opt.handler_int) {
-                size_t end = 0;
-                const int v = std::stoi(argv[i], &end);
-                if (argv[i][end] != '\0') {
-                    throw std::invalid_argument(std::string(opt.args[0]) + ": not a whole number: '" + argv[i] + "'");
-                }
-                opt.handler_int(kvcomp_bench_params(), v);
-            } else {
-                opt.handler_string(kvcomp_bench_params(), argv[i]);
-            }
+            opt.handler_string(kvcomp_bench_params(), argv[i]);
         } catch (const std::exception & e) {
             fprintf(stderr, "error: %s\n", e.what());
             invalid_param = true;
