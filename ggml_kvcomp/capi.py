@@ -139,7 +139,16 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     llama.llama_kvcomp_snapshot_text.argtypes = [
         ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
     llama.llama_kvcomp_snapshot_text.restype = ctypes.c_int64
+    # const char * llama_kvcomp_last_error(void);
+    llama.llama_kvcomp_last_error.argtypes = []
+    llama.llama_kvcomp_last_error.restype = ctypes.c_char_p
     return base, llama
+
+
+def last_error() -> str | None:
+    """Why the last failed state load, llama_kvcomp_configure or set_mode on this thread failed."""
+    why: bytes | None = _libs()[1].llama_kvcomp_last_error()
+    return why.decode() if why else None
 
 
 def type_id(name: str) -> int:

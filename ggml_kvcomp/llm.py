@@ -21,6 +21,7 @@ from .capi import (
     LlamaKvcompStats,
     ModeName,
     ModePreset,
+    last_error,
     lib,
     mode_id,
     mode_name,
@@ -34,9 +35,14 @@ if TYPE_CHECKING:
     import llama_cpp
 
 __all__ = [
-    "Config", "configure", "get_config", "import_llama_cpp", "new_llama", "open_llama", "set_mode", "snapshot",
-    "snapshot_text", "stats", "type_id", "type_name",
+    "Config", "StateError", "configure", "get_config", "import_llama_cpp", "load_session_file", "load_state",
+    "new_llama", "open_llama", "set_mode", "snapshot", "snapshot_text", "stats", "type_id", "type_name",
 ]
+
+
+class StateError(RuntimeError):
+    """A saved state the library refused (damaged, another model or cache, rows out of range)."""
+
 
 
 def import_llama_cpp() -> Any:
@@ -102,7 +108,7 @@ def configure(llm: llama_cpp.Llama, mode: ModeName, **knobs: float) -> None:
         p.mode = c.llama_kvcomp_mode_from_name(b"custom")
     rc = c.llama_kvcomp_configure(_ctx(llm), ctypes.byref(p))
     if rc != 0:
-        raise RuntimeError(f"llama_kvcomp_configure failed ({rc}); the reason is in the log")
+        raise RuntimeError(f"llama_kvcomp_configure failed ({rc}): {last_error() or 'see the log'}")
 
 
 def get_config(llm: llama_cpp.Llama) -> Config:
@@ -121,7 +127,33 @@ def set_mode(llm: llama_cpp.Llama, mode: ModeName) -> None:
     """Switches the mode at run time: new tokens follow it (logged by the library)."""
     rc = lib().llama_kvcomp_set_mode(_ctx(llm), mode_id(mode))
     if rc != 0:
-        raise RuntimeError(f"llama_kvcomp_set_mode failed ({rc}); the reason is in the log")
+        raise RuntimeError(f"llama_kvcomp_set_mode failed ({rc}): {last_error() or 'see the log'}")
+
+
+def load_state(llm: llama_cpp.Llama, state: llama_cpp.LlamaState) -> None:
+    """Llama.load_state, raising StateError with the library's reason when the state is refused
+    (docs/state.md). Llama.load_state has taken the state's tokens before the library refuses
+    it, so a refused state leaves the Llama reset and its cache empty, the two in agreement."""
+    try:
+        llm.load_state(state)
+    except RuntimeError:
+        why = last_error() or "the state was refused (see the log)"
+        llama_cpp = import_llama_cpp()
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+        llm.reset()  # type: ignore[no-untyped-call]
+        raise StateError(why) from None
+
+
+def load_session_file(llm: llama_cpp.Llama, path: str | Path) -> list[int]:
+    """Restores a file written by llama_state_save_file (a whole context) and returns its tokens;
+    StateError with the reason when it is refused."""
+    llama_cpp = import_llama_cpp()
+    cap = llm.n_ctx()
+    tokens = (llama_cpp.llama_token * cap)()
+    n = ctypes.c_size_t(0)
+    if not llama_cpp.llama_state_load_file(llm.ctx, str(path).encode(), tokens, cap, ctypes.byref(n)):
+        raise StateError(last_error() or "the state file was refused (see the log)")
+    return list(tokens[: n.value])
 
 
 def stats(llm: llama_cpp.Llama) -> dict[str, float]:

@@ -134,9 +134,16 @@ def test_server_residual_buffer_parallel_slots_and_slot_files(bins: Path, model:
         assert saved["n_saved"] == alone["tokens_evaluated"] + 23  # type: ignore[operator]
         restored = post(f"{url}/slots/1?action=restore", {"filename": "slot0.bin"})
         assert restored["n_restored"] == saved["n_saved"]
-        (tmp_path / "bad.bin").write_bytes((tmp_path / "slot0.bin").read_bytes()[:-7])
-        with pytest.raises(urllib.error.HTTPError):
-            post(f"{url}/slots/2?action=restore", {"filename": "bad.bin"})
+        # damaged files are refused, and the client is told why (docs/state.md)
+        data = (tmp_path / "slot0.bin").read_bytes()
+        flipped = bytearray(data)
+        flipped[len(data) // 2] ^= 0x01
+        for name, content, reason in (("cut.bin", data[:-7], "no seal"),
+                                      ("flipped.bin", bytes(flipped), "checksum mismatch")):
+            (tmp_path / name).write_bytes(content)
+            with pytest.raises(urllib.error.HTTPError) as err:
+                post(f"{url}/slots/2?action=restore", {"filename": name})
+            assert err.value.code == 400 and reason in err.value.read().decode()
         # the server survives the bad file and still answers
         again = post(f"{url}/completion", {"prompt": prompts[1], **request, "id_slot": 1})
         assert again["tokens_predicted"] == 24

@@ -130,3 +130,40 @@ def test_cut_back_keeps_exact_rows(model: Path) -> None:
     assert llm.seq_rm_exact(m, 0, n - 1)
     assert llm.seq_rm_exact(m, 0, 0)
     m.close()
+
+
+def _next_logits(m: Any) -> np.ndarray[Any, np.dtype[np.float32]]:
+    m.eval(m.tokenize(b" the keeper", add_bos=False))
+    return np.array(m.scores[m.n_tokens - 1], dtype=np.float32)
+
+
+def test_damaged_state_raises_with_the_reason(model: Path, tmp_path: Path) -> None:
+    # Llama.save_state/load_state (host buffers) and a session file: a changed byte is refused
+    # with the library's reason and leaves the cache empty; the intact state goes on exactly
+    m = llm.open_llama(model, "balanced", n_ctx=512)
+    m.eval(m.tokenize(PROMPT.encode()))
+    state = m.save_state()
+    ref = _next_logits(m)
+
+    llama_cpp = llm.import_llama_cpp()
+    raw = bytearray(state.llama_state)
+    raw[len(raw) // 2] ^= 0x04
+    bad = llama_cpp.LlamaState(input_ids=state.input_ids, scores=state.scores, n_tokens=state.n_tokens,
+                               llama_state=bytes(raw), llama_state_size=state.llama_state_size, seed=state.seed)
+    with pytest.raises(llm.StateError, match="checksum mismatch"):
+        llm.load_state(m, bad)
+    assert llama_cpp.llama_memory_seq_pos_max(llama_cpp.llama_get_memory(m.ctx), 0) == -1
+
+    llm.load_state(m, state)
+    assert np.array_equal(_next_logits(m), ref)
+
+    llm.load_state(m, state)
+    path = tmp_path / "session.bin"
+    toks = (llama_cpp.llama_token * state.n_tokens)(*state.input_ids[: state.n_tokens].tolist())
+    assert llama_cpp.llama_state_save_file(m.ctx, str(path).encode(), toks, state.n_tokens)
+    assert llm.load_session_file(m, path) == list(state.input_ids[: state.n_tokens])
+    data = bytearray(path.read_bytes())
+    path.write_bytes(bytes(data[: len(data) - 100]))
+    with pytest.raises(llm.StateError, match="no seal"):
+        llm.load_session_file(m, path)
+    m.close()

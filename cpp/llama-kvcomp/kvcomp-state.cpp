@@ -297,6 +297,7 @@ size_t llama_kvcomp_state_save_file(const char * path, const std::function<size_
         }
         kvcomp_seal s;
         size_t size = 0;
+        const int64_t t0 = ggml_time_us();
         {
             auto f = kvcomp_open(path, "rb");
             size = kvcomp_file_size(f.get());
@@ -306,6 +307,7 @@ size_t llama_kvcomp_state_save_file(const char * path, const std::function<size_
         if (std::fwrite(&s, sizeof(s), 1, f.get()) != 1 || std::fflush(f.get()) != 0) {
             throw std::runtime_error(std::string("cannot write the seal of ") + path);
         }
+        LLAMA_LOG_INFO("kvcomp: state: %.1f MiB sealed in %.1f ms\n", size / 1048576.0, (ggml_time_us() - t0) / 1000.0);
         return size + sizeof(s);
     });
 }
@@ -344,8 +346,11 @@ size_t llama_kvcomp_state_load_file(const char * path, uint32_t magic, uint32_t 
                 }
             }
             if (kvcomp_is_seal(s, size)) {
+                const int64_t t0 = ggml_time_us();
                 kvcomp_check_seal(s, kvcomp_hash_file(f.get(), s.n_bytes));
                 tail = sizeof(s);
+                LLAMA_LOG_INFO("kvcomp: state: seal of %.1f MiB checked in %.1f ms\n", s.n_bytes / 1048576.0,
+                               (ggml_time_us() - t0) / 1000.0);
             }
         }
         size_t n = 0;
@@ -386,6 +391,8 @@ void llama_kvcomp_buffer::check_restored_rows(llama_io_read_i & io, llama_kv_cac
     if (!io.flush()) {
         return;
     }
+    const int64_t t0 = ggml_time_us();
+    size_t n_rows = 0;
     std::vector<uint8_t> buf;
     const auto check = [&](ggml_tensor * t, uint32_t strm, uint32_t c0, uint32_t n, bool trans, const char * what, uint32_t il) {
         if (!trans) {
@@ -437,7 +444,12 @@ void llama_kvcomp_buffer::check_restored_rows(llama_io_read_i & io, llama_kv_cac
                     check(l.v, strm, idxs[i], (uint32_t) (j - i), kv.v_trans, "V", l.il);
                 }
             }
+            n_rows += j - i;
             i = j;
         }
+    }
+    if (n_rows > 0) {
+        LLAMA_LOG_INFO("kvcomp: state: K/V rows of %zu restored cells checked in %.1f ms\n", n_rows,
+                       (ggml_time_us() - t0) / 1000.0);
     }
 }

@@ -13,6 +13,10 @@
 // every mutant sequence 1 must still continue to its own logits, and at the end the
 // original file must restore and the monitor's metrics hold no NaN or Inf. A failure prints
 // its seed; `test-kvc-state MODEL 1 SEED` replays from it.
+//
+// `test-kvc-state MODEL --bench N` measures instead: a balanced context holding N tokens saves
+// and restores its sequence as a slot file three times, and one JSON line gives the times of
+// the save, the restore, and of the checks in them (from the library's "kvcomp: state:" log).
 
 #include "kvc-llama-util.h"
 #include "kvc-test-util.h"
@@ -343,6 +347,71 @@ std::vector<mutant> make_mutants(const bytes & f, const layout & L, const bytes 
     return out;
 }
 
+// The times the library logs for its checks, summed per kind.
+struct check_times {
+    double seal_ms = 0.0, sealed_ms = 0.0, rows_ms = 0.0;
+};
+
+check_times g_times;
+
+void on_log(ggml_log_level, const char * text, void *) {
+    double ms = 0.0, mib = 0.0;
+    size_t n = 0;
+    if (std::sscanf(text, "kvcomp: state: seal of %lf MiB checked in %lf ms", &mib, &ms) == 2) {
+        g_times.seal_ms += ms;
+    } else if (std::sscanf(text, "kvcomp: state: %lf MiB sealed in %lf ms", &mib, &ms) == 2) {
+        g_times.sealed_ms += ms;
+    } else if (std::sscanf(text, "kvcomp: state: K/V rows of %zu restored cells checked in %lf ms", &n, &ms) == 2) {
+        g_times.rows_ms += ms;
+    }
+}
+
+int bench(llama_model * model, int n_tokens) {
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = (uint32_t) n_tokens + 256; cp.n_batch = 512; cp.n_ubatch = 512;
+    cp.n_threads = 2; cp.n_threads_batch = 2;
+    cp.type_k = GGML_TYPE_KVC4; cp.type_v = GGML_TYPE_KVC3;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    ctx_ptr c;
+    c.ctx = llama_init_from_model(model, cp);
+    llama_kvcomp_params p;
+    llama_kvcomp_mode_preset(LLAMA_KVCOMP_MODE_BALANCED, &p, nullptr, nullptr);
+    if (!c.ctx || llama_kvcomp_configure(c.ctx, &p) != 0) {
+        return 1;
+    }
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    std::vector<llama_token> toks(n_tokens);
+    std::mt19937 rng(1);
+    for (auto & t : toks) {
+        t = (llama_token) (rng() % (uint32_t) n_vocab);
+    }
+    decode(c.ctx, toks, 0, n_tokens, 512, 0);
+    const std::string path = "test-kvc-state-bench.bin";
+    double save_ms = 0.0, load_ms = 0.0;
+    size_t n_bytes = 0;
+    const int reps = 3;
+    for (int r = 0; r < reps; ++r) {
+        auto t0 = std::chrono::steady_clock::now();
+        n_bytes = llama_state_seq_save_file(c.ctx, path.c_str(), 0, toks.data(), toks.size());
+        auto t1 = std::chrono::steady_clock::now();
+        llama_memory_seq_rm(llama_get_memory(c.ctx), 0, -1, -1);
+        std::vector<llama_token> got(n_tokens);
+        size_t n_got = 0;
+        const size_t n_read = llama_state_seq_load_file(c.ctx, path.c_str(), 0, got.data(), got.size(), &n_got);
+        auto t2 = std::chrono::steady_clock::now();
+        if (n_read != n_bytes) {
+            return 1;
+        }
+        save_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
+        load_ms += std::chrono::duration<double, std::milli>(t2 - t1).count();
+    }
+    std::remove(path.c_str());
+    printf("{\"tokens\": %d, \"mode\": \"balanced\", \"bytes\": %zu, \"save_ms\": %.1f, \"seal_ms\": %.1f, "
+           "\"restore_ms\": %.1f, \"seal_check_ms\": %.1f, \"row_check_ms\": %.1f}\n", n_tokens, n_bytes,
+           save_ms / reps, g_times.sealed_ms / reps, load_ms / reps, g_times.seal_ms / reps, g_times.rows_ms / reps);
+    return 0;
+}
+
 } // namespace
 
 int main(int argc, char ** argv) {
@@ -350,14 +419,20 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "usage: %s MODEL.gguf [SECONDS [SEED]]\n", argv[0]);
         return 2;
     }
-    const double   budget = argc > 2 ? std::atof(argv[2]) : 60.0;
-    const uint32_t seed0  = argc > 3 ? (uint32_t) std::strtoul(argv[3], nullptr, 10) : 1;
-    llama_log_set([](ggml_log_level, const char *, void *) {}, nullptr);
+    const bool     is_bench = argc > 3 && std::strcmp(argv[2], "--bench") == 0;
+    const double   budget = argc > 2 && !is_bench ? std::atof(argv[2]) : 60.0;
+    const uint32_t seed0  = argc > 3 && !is_bench ? (uint32_t) std::strtoul(argv[3], nullptr, 10) : 1;
+    llama_log_set(on_log, nullptr);
     llama_backend_init();
     llama_model * model = llama_model_load_from_file(argv[1], llama_model_default_params());
     if (!model) {
         fprintf(stderr, "failed to load %s\n", argv[1]);
         return 2;
+    }
+    if (is_bench) {
+        const int rc = bench(model, std::atoi(argv[3]));
+        llama_model_free(model);
+        return rc;
     }
     std::string text;
     for (int i = 0; i < 6; ++i) {
