@@ -1,6 +1,7 @@
-"""Tiny random llama models with a chosen head size, written with upstream's gguf-py.
+"""Tiny random llama models with a chosen head size and head counts, written with upstream's
+gguf-py.
 
-Only the head size matters to these tests; the tokenizer is copied from the packaged
+Only the attention shapes matter to these tests; the tokenizer is copied from the packaged
 SmolLM2 so the tools can tokenize the corpus.
 """
 
@@ -17,16 +18,18 @@ from ggml_kvcomp import upstream
 
 def _gguf() -> Any:
     sys.path.insert(0, str(upstream.prepare() / "vendor" / "llama.cpp" / "gguf-py"))
-    import gguf
+    import gguf  # type: ignore[import-not-found]  # upstream gguf-py, put on the path above
 
     return gguf
 
 
 def write_tiny_llama(out: Path, tokenizer_source: Path, head_dim: int, n_head: int = 2, n_head_kv: int = 1,
-                     n_layer: int = 2, seed: int = 0) -> Path:
+                     n_layer: int = 2, seed: int = 0, n_embd: int | None = None) -> Path:
+    """n_embd: the model width (default n_head * head_dim); a smaller one keeps a model with
+    many heads small (Q/K/V project to n_head * head_dim and back)."""
     gguf = _gguf()
     rng = np.random.default_rng(seed)
-    n_embd = n_head * head_dim
+    n_embd = n_embd or n_head * head_dim
     n_ff = 2 * n_embd
 
     reader = gguf.GGUFReader(tokenizer_source)

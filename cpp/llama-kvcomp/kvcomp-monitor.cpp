@@ -4,6 +4,7 @@
 #include "kvcomp-monitor.h"
 
 #include "kvcomp-buffer.h"
+#include "kvcomp-tracker.h"
 
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
@@ -39,6 +40,9 @@ std::shared_ptr<llama_kvcomp_monitor> llama_kvcomp_monitor::get(llama_context * 
 
 void llama_kvcomp_monitor::set_params(const llama_kvcomp_monitor_params & p) {
     params = p;
+    std::lock_guard<std::mutex> lock(mtx);
+    pub_params  = p;
+    pub.enabled = p.enabled;
 }
 
 llama_kvcomp_monitor_params llama_kvcomp_monitor::get_params() const {
@@ -59,7 +63,8 @@ void llama_kvcomp_monitor::on_ubatch(const llama_kv_cache & kv) {
 void llama_kvcomp_monitor::refresh() {
     llama_kvcomp_snapshot snap = {};
     std::vector<llama_kvcomp_head_snapshot> heads;
-    for (llama_kv_cache * kv : llama_kvcomp_caches(ctx)) {
+    const auto caches = llama_kvcomp_caches(ctx);
+    for (llama_kv_cache * kv : caches) {
         if (!kv->kvcomp) {
             continue;
         }
@@ -69,11 +74,39 @@ void llama_kvcomp_monitor::refresh() {
         snap.n_pinned   += st.n_pinned;
         snap.n_merges   += st.n_merges;
         snap.n_released += st.n_released;
+        const size_t first = heads.size();
         kv->kvcomp->head_snapshots(*kv, heads);
+        // The scales of every KV head come from the tracker's own per-head values: the rows
+        // the buffer makes take them from llama_kvcomp_layer_stats, which holds the first
+        // LLAMA_KVCOMP_MAX_HEADS heads only.
+        const llama_kvcomp_tracker * tr = nullptr;
+        int32_t il_cur = -1, ib = -1;
+        for (size_t i = first; i < heads.size(); ++i) {
+            llama_kvcomp_head_snapshot & hs = heads[i];
+            if (hs.il != il_cur) {
+                il_cur = hs.il;
+                tr = llama_kvcomp_tracker::of_layer(kv->get_k_storage(hs.il), ib);
+            }
+            if (tr) {
+                tr->get_head_scales(ib, hs.head, hs.k_scale, hs.v_scale);
+            }
+        }
     }
     std::sort(heads.begin(), heads.end(), [](const llama_kvcomp_head_snapshot & a, const llama_kvcomp_head_snapshot & b) {
         return a.il != b.il ? a.il < b.il : a.head < b.head;
     });
+    // Nothing non-finite is published: such a value (a buffer norm while a held row is not
+    // finite) is NaN in the snapshot, left out of the text forms and of the running means,
+    // and counted.
+    for (auto & h : heads) {
+        for (float * v : { &h.k_rmse, &h.k_rmse_rel, &h.k_scale, &h.v_scale, &h.buf_l2_k, &h.buf_l2_v }) {
+            if (!std::isfinite(*v)) {
+                *v = NAN;
+                ++n_nonfinite_own;
+            }
+        }
+    }
+    count_tracker_nonfinite(caches);
     llama_kvcomp_params kp;
     llama_kvcomp_get_config(ctx, &kp);
     snap.mode       = kp.mode;
@@ -81,7 +114,9 @@ void llama_kvcomp_monitor::refresh() {
     snap.n_heads    = (int32_t) heads.size();
     snap.n_ubatches = n_ubatches;
     snap.t_us       = ggml_time_us();
+    snap.enabled    = params.enabled;
     warn(snap, heads);
+    snap.n_nonfinite = n_nonfinite_own + n_nonfinite_trackers;
 
     std::lock_guard<std::mutex> lock(mtx);
     snap.n_warn_fill = pub.n_warn_fill + snap.n_warn_fill;
@@ -90,6 +125,29 @@ void llama_kvcomp_monitor::refresh() {
     snap.n_events    = pub.n_events;
     pub       = snap;
     pub_heads = std::move(heads);
+}
+
+void llama_kvcomp_monitor::count_tracker_nonfinite(const std::vector<llama_kv_cache *> & caches) {
+    for (llama_kv_cache * kv : caches) {
+        const std::vector<uint32_t> ids = kv->get_layer_ids();
+        int32_t ib = -1;
+        const llama_kvcomp_tracker * tr = !kv->kvcomp || ids.empty() ? nullptr :
+                llama_kvcomp_tracker::of_layer(kv->get_k_storage((int32_t) ids[0]), ib);
+        if (!tr) {
+            continue;
+        }
+        // a tracker's count only grows; one seen for the first time (or made at the address
+        // of a freed one) adds all of its count
+        int64_t & seen = tracker_nonfinite_seen[tr];
+        const int64_t n = tr->n_nonfinite();
+        n_nonfinite_trackers += n >= seen ? n - seen : n;
+        seen = n;
+    }
+}
+
+void llama_kvcomp_monitor::publish_nonfinite() {
+    std::lock_guard<std::mutex> lock(mtx);
+    pub.n_nonfinite = n_nonfinite_own + n_nonfinite_trackers;
 }
 
 // Counts (in snap) and logs this refresh's warnings.
@@ -118,6 +176,9 @@ void llama_kvcomp_monitor::warn(llama_kvcomp_snapshot & snap, const std::vector<
     float worst_ratio = 0.0f;
     for (size_t i = 0; i < heads.size(); ++i) {
         const float x = heads[i].buf_l2_k * per_row;
+        if (!std::isfinite(x)) {
+            continue; // not measured this refresh (counted): the mean stays as it was
+        }
         const float ratio = l2_mean[i] > 0.0f ? x / l2_mean[i] : 0.0f;
         if (params.l2_jump > 0.0f && n_l2_seen >= KVCOMP_L2_WARMUP && ratio > params.l2_jump) {
             ++n_jumped;
@@ -154,27 +215,43 @@ int32_t llama_kvcomp_monitor::observe(llama_seq_id seq_id, int32_t i, llama_toke
         z += std::exp((double) (logits[t] - mx));
     }
     seq_state & st = seqs[seq_id];
-    st.logp_sum += (double) (logits[token] - mx) - std::log(z);
+    const double logp = (double) (logits[token] - mx) - std::log(z);
     ++st.n_tokens;
+    if (!std::isfinite(logp)) {
+        // non-finite logits: the token stays out of the window, which closes on finite ones
+        ++n_nonfinite_own;
+        publish_nonfinite();
+        return 0;
+    }
+    st.logp_sum += logp;
     if (++st.n_in_window < params.ppl_window) {
         return 0;
     }
 
-    st.ppl_last = (float) std::exp(-st.logp_sum / st.n_in_window);
+    const float ppl = (float) std::exp(-st.logp_sum / st.n_in_window);
     st.logp_sum = 0.0;
     st.n_in_window = 0;
     ++st.n_windows;
+    // a window too improbable for a float is counted, keeps the last perplexity published,
+    // and is above any baseline
+    const bool finite = std::isfinite(ppl);
+    if (finite) {
+        st.ppl_last = ppl;
+    } else {
+        ++n_nonfinite_own;
+        publish_nonfinite();
+    }
     if (params.baseline_ppl > 0.0f) {
         st.ppl_baseline = params.baseline_ppl;
     } else if (st.ppl_baseline == 0.0f) {
-        // no calibration profile: the sequence's first window is its baseline
-        st.ppl_baseline = st.ppl_last;
+        // no calibration profile: the sequence's first (finite) window is its baseline
+        st.ppl_baseline = finite ? ppl : 0.0f;
         publish_seqs();
         return 0;
     }
-    st.n_above = std::isfinite(st.ppl_last) && st.ppl_last <= params.degrade_ratio * st.ppl_baseline ? 0 : st.n_above + 1;
+    st.n_above = finite && ppl <= params.degrade_ratio * st.ppl_baseline ? 0 : st.n_above + 1;
     if (params.degrade_windows > 0 && st.n_above >= params.degrade_windows) {
-        degrade(seq_id, st);
+        degrade(seq_id, st, ppl);
         for (auto & [id, other] : seqs) {
             other.n_above = 0;
         }
@@ -183,7 +260,7 @@ int32_t llama_kvcomp_monitor::observe(llama_seq_id seq_id, int32_t i, llama_toke
     return 0;
 }
 
-void llama_kvcomp_monitor::degrade(llama_seq_id seq_id, const seq_state & st) {
+void llama_kvcomp_monitor::degrade(llama_seq_id seq_id, const seq_state & st, float ppl) {
     llama_kvcomp_params kp;
     llama_kvcomp_get_config(ctx, &kp);
     int32_t next = -1;
@@ -195,7 +272,7 @@ void llama_kvcomp_monitor::degrade(llama_seq_id seq_id, const seq_state & st) {
         default: return; // off is the bottom of the ladder
     }
     LLAMA_LOG_WARN("kvcomp: degrade: seq %d: window perplexity %.3f above %.2f x baseline %.3f for %d windows in a row: "
-            "mode %s -> %s\n", seq_id, st.ppl_last, params.degrade_ratio, st.ppl_baseline, st.n_above,
+            "mode %s -> %s\n", seq_id, ppl, params.degrade_ratio, st.ppl_baseline, st.n_above,
             llama_kvcomp_mode_name(kp.mode), llama_kvcomp_mode_name(next));
     if (llama_kvcomp_set_mode(ctx, next) != 0) {
         LLAMA_LOG_ERROR("kvcomp: degrade: switching to %s failed, staying in %s\n", llama_kvcomp_mode_name(next),
@@ -207,7 +284,7 @@ void llama_kvcomp_monitor::degrade(llama_seq_id seq_id, const seq_state & st) {
     ev.seq_id       = seq_id;
     ev.mode_from    = kp.mode;
     ev.mode_to      = next;
-    ev.ppl          = st.ppl_last;
+    ev.ppl          = ppl;
     ev.ppl_baseline = st.ppl_baseline;
     ev.ratio        = params.degrade_ratio;
     ev.n_windows    = st.n_above;
@@ -280,13 +357,9 @@ struct text_out {
         add("# HELP llamacpp:kvcomp_%s %s\n# TYPE llamacpp:kvcomp_%s %s\n", name, help, name, type);
     }
 
+    // a value that is not finite is left out (the snapshot counts it in n_nonfinite)
     void sample(const char * name, const char * labels, double v) {
-        const char * inf = v > 0 ? "+Inf" : "-Inf";
-        if (std::isnan(v)) {
-            add("llamacpp:kvcomp_%s%s NaN\n", name, labels);
-        } else if (std::isinf(v)) {
-            add("llamacpp:kvcomp_%s%s %s\n", name, labels, inf);
-        } else {
+        if (std::isfinite(v)) {
             add("llamacpp:kvcomp_%s%s %.9g\n", name, labels, v);
         }
     }
@@ -304,7 +377,16 @@ std::string llama_kvcomp_monitor::text(int32_t format, int32_t layer) const {
     std::vector<llama_kvcomp_head_snapshot> heads;
     std::vector<llama_kvcomp_seq_snapshot> sq;
     std::vector<llama_kvcomp_degrade_event> events;
+    llama_kvcomp_monitor_params mp;
+    {
+        std::lock_guard<std::mutex> lock(mtx);
+        mp = pub_params;
+    }
     copy(snap, heads, sq, events);
+    if (layer >= 0) {
+        heads.erase(std::remove_if(heads.begin(), heads.end(), [layer](const llama_kvcomp_head_snapshot & h) { return h.il != layer; }),
+                    heads.end());
+    }
     text_out o;
 
     if (format == LLAMA_KVCOMP_FORMAT_PROMETHEUS) {
@@ -356,6 +438,9 @@ std::string llama_kvcomp_monitor::text(int32_t format, int32_t layer) const {
         o.sample("warnings_total", "{kind=\"l2\"}", (double) snap.n_warn_l2);
         o.family("degrade_steps_total", "counter", "Steps down the mode ladder taken by the degrade policy.");
         o.sample("degrade_steps_total", "", snap.n_events);
+        o.family("nonfinite_total", "counter", "Non-finite values kept out of the statistics: sampled K/V rows per layer, "
+                "buffer norms per refresh, generated tokens' log-probabilities, window perplexities.");
+        o.sample("nonfinite_total", "", (double) snap.n_nonfinite);
 
         struct seq_series { const char * name; const char * type; const char * help; double (*value)(const llama_kvcomp_seq_snapshot &); };
         const seq_series ss[] = {
@@ -384,20 +469,18 @@ std::string llama_kvcomp_monitor::text(int32_t format, int32_t layer) const {
     o.num("fill", snap.fill);
     o.add("\"merges\":%" PRId64 ",\"released\":%" PRId64 "},", snap.n_merges, snap.n_released);
     o.add("\"warnings\":{\"fill\":%" PRId64 ",\"l2\":%" PRId64 "},", snap.n_warn_fill, snap.n_warn_l2);
-    o.add("\"monitor\":{\"ppl_window\":%d,", params.ppl_window);
-    o.num("degrade_ratio", params.degrade_ratio);
-    o.add("\"degrade_windows\":%d,", params.degrade_windows);
-    o.num("baseline_ppl", params.baseline_ppl);
-    o.num("fill_warn", params.fill_warn);
-    o.num("l2_jump", params.l2_jump);
-    o.add("\"refresh\":%d},", params.refresh);
+    o.add("\"nonfinite\":%" PRId64 ",", snap.n_nonfinite);
+    o.add("\"monitor\":{\"ppl_window\":%d,", mp.ppl_window);
+    o.num("degrade_ratio", mp.degrade_ratio);
+    o.add("\"degrade_windows\":%d,", mp.degrade_windows);
+    o.num("baseline_ppl", mp.baseline_ppl);
+    o.num("fill_warn", mp.fill_warn);
+    o.num("l2_jump", mp.l2_jump);
+    o.add("\"refresh\":%d},", mp.refresh);
 
     o.add("\"layers\":[");
     int32_t cur = -1;
     for (const auto & h : heads) {
-        if (layer >= 0 && h.il != layer) {
-            continue;
-        }
         if (h.il != cur) {
             o.add("%s{\"layer\":%d,\"heads\":[", cur < 0 ? "" : "]},", h.il);
         } else {

@@ -53,8 +53,12 @@ private:
     };
 
     void warn(llama_kvcomp_snapshot & snap, const std::vector<llama_kvcomp_head_snapshot> & heads);
-    void degrade(llama_seq_id seq_id, const seq_state & st);
+    // ppl: the window's perplexity (inf when it overflows a float)
+    void degrade(llama_seq_id seq_id, const seq_state & st, float ppl);
     void publish_seqs();
+    void publish_nonfinite();
+    // the trackers' counts of rows left out, folded into n_nonfinite_trackers
+    void count_tracker_nonfinite(const std::vector<llama_kv_cache *> & caches);
 
     llama_context * ctx;
     llama_kvcomp_monitor_params params = llama_kvcomp_monitor_default_params();
@@ -68,9 +72,16 @@ private:
     int32_t n_l2_seen = 0;
     std::map<llama_seq_id, seq_state> seqs;
     std::vector<float> logits_tmp;
+    // non-finite values kept out of the statistics (docs/monitoring.md, "Non-finite values"):
+    // by the monitor (buffer norms, log-probabilities, window perplexities), and by the
+    // trackers (each one's count when last read)
+    int64_t n_nonfinite_own = 0;
+    int64_t n_nonfinite_trackers = 0;
+    std::map<const void *, int64_t> tracker_nonfinite_seen;
 
     // what readers see, under mtx
     mutable std::mutex mtx;
+    llama_kvcomp_monitor_params pub_params = llama_kvcomp_monitor_default_params();
     llama_kvcomp_snapshot pub = {};
     std::vector<llama_kvcomp_head_snapshot> pub_heads;
     std::vector<llama_kvcomp_seq_snapshot> pub_seqs;

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 
 // the window of updates the statistics cover, and how often they are recomputed
@@ -15,6 +17,39 @@ static constexpr double   KVCOMP_QUANTILE = 0.999;
 
 static uint32_t tap_stride(uint32_t n_tokens, uint32_t n_tap) {
     return (n_tokens + n_tap - 1) / n_tap;
+}
+
+static bool all_finite(const float * x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (!std::isfinite(x[i])) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// the trackers alive, by the K tensor of each cache layer they sample (of_layer)
+namespace {
+struct tracker_registry {
+    std::mutex mtx;
+    std::map<const ggml_tensor *, std::pair<const llama_kvcomp_tracker *, int32_t>> layers;
+};
+
+tracker_registry & registry() {
+    static tracker_registry r;
+    return r;
+}
+} // namespace
+
+const llama_kvcomp_tracker * llama_kvcomp_tracker::of_layer(const ggml_tensor * k, int32_t & ib) {
+    tracker_registry & r = registry();
+    std::lock_guard<std::mutex> lock(r.mtx);
+    const auto it = r.layers.find(k);
+    if (it == r.layers.end()) {
+        return nullptr;
+    }
+    ib = it->second.second;
+    return it->second.first;
 }
 
 llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params,
@@ -63,6 +98,12 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
     ggml_backend_buffer_clear(buf, 0);
     streams.resize(n_stream);
     reenc.assign(n, nullptr);
+
+    tracker_registry & r = registry();
+    std::lock_guard<std::mutex> lock(r.mtx);
+    for (size_t ib = 0; ib < n; ++ib) {
+        r.layers[descs[ib].k] = { this, (int32_t) ib };
+    }
 }
 
 llama_kvcomp_tracker::~llama_kvcomp_tracker() {
@@ -80,6 +121,17 @@ llama_kvcomp_tracker::~llama_kvcomp_tracker() {
         LLAMA_LOG_INFO("kvcomp: tracker: K rows measured = %lld, RMSE = %.6f, RMSE offset only = %.6f, RMSE plain = %.6f, "
                 "row RMS = %.6f\n", (long long) n_rows, std::sqrt(err / n_values), std::sqrt(err / n_values),
                 std::sqrt(err_plain / n_values), std::sqrt(energy / n_values));
+    }
+    if (n_nonfinite_rows > 0) {
+        LLAMA_LOG_WARN("kvcomp: tracker: %lld sampled rows held non-finite values and were left out of the statistics\n",
+                (long long) n_nonfinite_rows);
+    }
+    {
+        tracker_registry & r = registry();
+        std::lock_guard<std::mutex> lock(r.mtx);
+        for (auto it = r.layers.begin(); it != r.layers.end();) {
+            it = it->second.first == this ? r.layers.erase(it) : std::next(it);
+        }
     }
     ggml_backend_buffer_free(buf);
     ggml_free(ctx);
@@ -261,17 +313,21 @@ void llama_kvcomp_tracker::recompute(layer_state & l) {
     l.warm = true;
 }
 
-void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t n_rows) {
+void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, const uint64_t * cells, size_t n_rows) {
     const ggml_tensor * k_main = l.k_main;
     const auto * tt = ggml_get_type_traits(k_main->type);
     const int64_t n = l.n_embd_k;
+    const int64_t n_head = n / l.n_embd_head_k;
     std::vector<uint8_t> q(k_main->nb[1]);
     std::vector<float> x(n), y(n);
+    std::vector<double> e_head(n_head);
     const uint64_t n_cells = (uint64_t) ggml_nrows(k_main) / n_stream; // ([n_embd, cells, streams])
-    // pass 0: as the rows came; 1: as stored (their stream's offset removed)
     for (size_t r = 0; r < n_rows; ++r) {
         const float * raw = k_rows + r * n;
-        const float * c   = l.c.data() + (tap_cells[r] / n_cells) * n;
+        const float * c   = l.c.data() + (cells[r] / n_cells) * n;
+        // pass 0: as the row came; 1: as stored (its stream's offset removed)
+        double e[2] = { 0.0, 0.0 };
+        std::fill(e_head.begin(), e_head.end(), 0.0);
         for (int pass = 0; pass < 2; ++pass) {
             for (int64_t i = 0; i < n; ++i) {
                 x[i] = raw[i] - (pass ? c[i] : 0.0f);
@@ -282,22 +338,30 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, size_t
                 tt->from_float_ref(x.data(), q.data(), n);
                 tt->to_float(q.data(), y.data(), n);
             }
-            double e = 0.0;
             for (int64_t i = 0; i < n; ++i) {
                 const double d = (double) (x[i] - y[i]);
-                e += d * d;
+                e[pass] += d * d;
                 if (pass == 1) {
-                    l.k_err_head[i / l.n_embd_head_k] += d * d;
+                    e_head[i / l.n_embd_head_k] += d * d;
                 }
             }
-            (pass == 0 ? l.k_err_plain : l.k_err) += e;
+        }
+        // the row is finite (update() checked), the offset it is stored under may not be
+        if (!std::isfinite(e[0]) || !std::isfinite(e[1])) {
+            ++n_nonfinite_rows;
+            continue;
+        }
+        l.k_err_plain += e[0];
+        l.k_err       += e[1];
+        for (int64_t h = 0; h < n_head; ++h) {
+            l.k_err_head[h] += e_head[h];
         }
         for (int64_t i = 0; i < n; ++i) {
             l.k_energy += (double) raw[i] * raw[i];
             l.k_energy_head[i / l.n_embd_head_k] += (double) raw[i] * raw[i];
         }
+        ++l.n_rows_measured;
     }
-    l.n_rows_measured += (int64_t) n_rows;
 }
 
 void llama_kvcomp_tracker::write_offsets(uint32_t strm) const {
@@ -350,13 +414,18 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
         // take every KVCOMP_RECOMPUTE-th update only, so the decode steps between need no round trip.
         const bool on_host = layers.empty() || ggml_backend_buffer_is_host(layers[0].v_main->buffer);
         std::vector<float> rows, vrows;
+        std::vector<uint64_t> good_cells;
         std::vector<uint8_t> raw;
+        // An update whose rows are read here counts once one of its rows is left in a layer:
+        // a ubatch of non-finite rows only leaves the statistics as they were. The layers it
+        // left nothing in get an empty window slot once it counts.
+        bool counted = !(on_host || measure_now);
+        std::vector<size_t> empty_layers;
         for (size_t ib = 0; ib < layers.size() && (on_host || measure_now); ++ib) {
             layer_state & l = layers[ib];
             const uint32_t n_rows = (uint32_t) tap_cells.size();
             rows.resize((size_t) n_rows * l.n_embd_k);
             ggml_backend_tensor_get(store[ib], rows.data(), 0, rows.size() * sizeof(float));
-            fold(l.k_win, rows.data(), n_rows, l.n_embd_k);
 
             // V rows as stored: nothing is subtracted from them
             const ggml_tensor * v = l.v_main;
@@ -370,16 +439,47 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
                     ggml_get_type_traits(v->type)->to_float(raw.data(), vrows.data() + (size_t) r * l.n_embd_v, l.n_embd_v);
                 }
             }
-            fold(l.v_win, vrows.data(), n_rows, l.n_embd_v);
 
+            // A token's rows are kept or left out together: a K row that came out non-finite
+            // is stored as zeros in a kvc V row that is no value of the model either
+            // (docs/formats.md, "NaN/Inf").
+            uint32_t n_good = 0;
+            good_cells.clear();
+            for (uint32_t r = 0; r < n_rows; ++r) {
+                const float * kr = rows.data() + (size_t) r * l.n_embd_k;
+                const float * vr = vrows.data() + (size_t) r * l.n_embd_v;
+                if (!all_finite(kr, l.n_embd_k) || !all_finite(vr, l.n_embd_v)) {
+                    ++n_nonfinite_rows;
+                    continue;
+                }
+                if (n_good != r) {
+                    std::copy(kr, kr + l.n_embd_k, rows.data() + (size_t) n_good * l.n_embd_k);
+                    std::copy(vr, vr + l.n_embd_v, vrows.data() + (size_t) n_good * l.n_embd_v);
+                }
+                good_cells.push_back(tap_cells[r]);
+                ++n_good;
+            }
+            if (n_good == 0) {
+                empty_layers.push_back(ib);
+                continue;
+            }
+            counted = true;
+            fold(l.k_win, rows.data(), n_good, l.n_embd_k);
+            fold(l.v_win, vrows.data(), n_good, l.n_embd_v);
             if (measure_now) {
-                measure(l, rows.data(), n_rows);
+                measure(l, rows.data(), good_cells.data(), n_good);
             }
         }
-        ++n_updates;
-        if (n_updates % KVCOMP_RECOMPUTE == 0) {
-            for (auto & l : layers) {
-                recompute(l);
+        if (counted) {
+            for (size_t ib : empty_layers) {
+                fold(layers[ib].k_win, nullptr, 0, layers[ib].n_embd_k);
+                fold(layers[ib].v_win, nullptr, 0, layers[ib].n_embd_v);
+            }
+            ++n_updates;
+            if (n_updates % KVCOMP_RECOMPUTE == 0) {
+                for (auto & l : layers) {
+                    recompute(l);
+                }
             }
         }
     }
@@ -679,17 +779,27 @@ void llama_kvcomp_tracker::get_layer_stats(int32_t ib, llama_kvcomp_layer_stats 
     }
     st.k_offset_rms = n_set == 0 ? 0.0f : (float) std::sqrt(e / (double) (n_set * l.n_embd_k));
     st.k_range_spread = 1.0f;
-    const int64_t n_head_v = l.n_embd_v / l.n_embd_head_v;
-    st.n_head_kv = (int32_t) n_head_v;
-    for (int64_t h = 0; h < LLAMA_KVCOMP_MAX_HEADS; ++h) {
-        st.v_scale[h] = h < n_head_v && l.warm ? 0.5f * (l.v_hi[h] - l.v_lo[h]) : 0.0f;
-        float s = 0.0f;
-        if (h < l.n_embd_k / l.n_embd_head_k && l.warm) {
-            for (int64_t i = h * l.n_embd_head_k; i < (h + 1) * l.n_embd_head_k; ++i) {
-                s = std::max(s, 0.5f * (l.k_hi[i] - l.k_lo[i]));
-            }
+    st.n_head_kv = (int32_t) (l.n_embd_v / l.n_embd_head_v);
+    // the first LLAMA_KVCOMP_MAX_HEADS heads; the monitor reads every head from get_head_scales
+    for (int32_t h = 0; h < LLAMA_KVCOMP_MAX_HEADS; ++h) {
+        get_head_scales(ib, h, st.k_scale[h], st.v_scale[h]);
+    }
+}
+
+void llama_kvcomp_tracker::get_head_scales(int32_t ib, int32_t h, float & k_scale, float & v_scale) const {
+    const layer_state & l = layers[ib];
+    k_scale = 0.0f;
+    v_scale = 0.0f;
+    if (!l.warm) {
+        return;
+    }
+    if (h < l.n_embd_v / l.n_embd_head_v) {
+        v_scale = 0.5f * (l.v_hi[h] - l.v_lo[h]);
+    }
+    if (h < l.n_embd_k / l.n_embd_head_k) {
+        for (int64_t i = (int64_t) h * l.n_embd_head_k; i < (int64_t) (h + 1) * l.n_embd_head_k; ++i) {
+            k_scale = std::max(k_scale, 0.5f * (l.k_hi[i] - l.k_lo[i]));
         }
-        st.k_scale[h] = s;
     }
 }
 

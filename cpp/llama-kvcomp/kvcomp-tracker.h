@@ -93,10 +93,25 @@ struct llama_kvcomp_tracker {
                                                             llama_seq_id seq_id, bool present);
     static void reencode(ggml_tensor * t, const std::vector<uint64_t> & rows, const std::vector<float> & shift);
 
+    // Statistics. A sampled token whose K row (as it came) or V row (as stored) holds a
+    // non-finite value is left out of all of them, in its layer: they are what they would be
+    // without it. An update none of whose rows is left takes no window slot and no step of the
+    // recompute schedule. Such rows (one per layer and sampling) are counted.
     void get_layer_stats(int32_t ib, llama_kvcomp_layer_stats & st) const;
     int32_t n_layers() const { return (int32_t) layers.size(); }
     // KV head h of layer ib: round-trip RMSE of its sampled K rows as stored, and their RMS
     void get_head_stats(int32_t ib, int32_t h, float & rmse, float & rms) const;
+    // KV head h of layer ib (any h < the layer's KV heads; 0 until the first recompute): the
+    // largest smoothed half-range of its K channels, and the smoothed half-range of its V rows
+    void get_head_scales(int32_t ib, int32_t h, float & k_scale, float & v_scale) const;
+    // sampled rows left out for a non-finite value, since the tracker was made
+    int64_t n_nonfinite() const { return n_nonfinite_rows; }
+
+    // The tracker that samples the cache layer whose K tensor is k (llama_kv_cache::get_k_storage),
+    // and that layer's index in it (ib); nullptr when none does. The cache's buffer owns its
+    // tracker; the monitor finds it here for the per-head values the public layer stats cap
+    // at LLAMA_KVCOMP_MAX_HEADS heads. Call from the thread that decodes.
+    static const llama_kvcomp_tracker * of_layer(const ggml_tensor * k, int32_t & ib);
 
 
 private:
@@ -138,7 +153,8 @@ private:
 
     void fold(std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const;
     void recompute(layer_state & l);
-    void measure(layer_state & l, const float * k_rows, size_t n_rows);
+    // cells: the main row (stream * cells + cell) of each of the n_rows K rows
+    void measure(layer_state & l, const float * k_rows, const uint64_t * cells, size_t n_rows);
     void write_offsets(uint32_t strm) const;
     // the cells holding the first positions of the stream's sequence, with their rank among them
     std::vector<std::pair<uint32_t, llama_pos>> first_rows(const llama_kv_cells & cells, uint32_t strm) const;
@@ -159,6 +175,7 @@ private:
     mutable std::vector<layer_state> layers;
     std::vector<stream_state> streams;
     uint64_t n_updates = 0;
+    int64_t  n_nonfinite_rows = 0;
     uint64_t n_setups  = 0; // ubatches set up
     mutable std::vector<uint32_t> pending_read; // streams whose c the last graph set
 

@@ -100,10 +100,14 @@ LLAMA_API int32_t llama_kvcomp_get_stats(struct llama_context * ctx, struct llam
 // (llama-server does, for a reused prompt).
 LLAMA_API int32_t llama_kvcomp_seq_rm_exact(struct llama_context * ctx, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
 
+// KV heads whose scales llama_kvcomp_layer_stats holds (k_scale, v_scale): the first 16 of
+// the layer's. The monitor's head snapshots (llama_kvcomp_get_snapshot) and its exports
+// (/metrics, /kvcomp, llama_kvcomp_snapshot_text) have every KV head, however many.
 #define LLAMA_KVCOMP_MAX_HEADS 16
 
 // The scale tracker's view of one layer. RMSEs are over the K rows it sampled, in the values
-// attention sees; "plain" is what the same type gives without the offset removal.
+// attention sees; "plain" is what the same type gives without the offset removal. A sampled
+// row holding a non-finite value is left out of every statistic (docs/monitoring.md).
 struct llama_kvcomp_layer_stats {
     int32_t il;             // model layer
     int32_t n_head_kv;
@@ -115,8 +119,9 @@ struct llama_kvcomp_layer_stats {
     float   k_rmse_plain;   // ... had they been stored as they came
     float   k_offset_rms;   // RMS of the K offset in use
     float   k_range_spread; // largest / smallest K channel scale in use: always 1 (none are applied)
-    float   k_scale[LLAMA_KVCOMP_MAX_HEADS]; // per KV head: largest smoothed half-range of its K channels
-    float   v_scale[LLAMA_KVCOMP_MAX_HEADS]; // per KV head: smoothed half-range of its V rows
+    float   k_scale[LLAMA_KVCOMP_MAX_HEADS]; // KV heads 0..15 (0 past n_head_kv): largest smoothed half-range of
+                                             // its K channels; heads 16 and up: the monitor's head snapshots
+    float   v_scale[LLAMA_KVCOMP_MAX_HEADS]; // ... smoothed half-range of its V rows
 };
 
 // Fills stats for model layer il. Returns 0, or -1 when the context has no tracker or the
@@ -160,6 +165,10 @@ LLAMA_API void llama_kvcomp_seq_reset(struct llama_context * ctx, llama_seq_id s
 // `refresh` ubatches. Returns 0, or -1 when monitoring is off.
 LLAMA_API int32_t llama_kvcomp_monitor_refresh(struct llama_context * ctx);
 
+// One per model layer and KV head (every head of the layer). The monitor takes no non-finite
+// value into its statistics; a value it cannot take from finite numbers this refresh (a
+// buffer norm while a held row is not finite) is NaN here, absent from /metrics and null in
+// the JSON, and counted in llama_kvcomp_snapshot.n_nonfinite.
 struct llama_kvcomp_head_snapshot {
     int32_t il;          // model layer
     int32_t head;        // KV head
@@ -206,6 +215,8 @@ struct llama_kvcomp_snapshot {
     int64_t n_released;
     int64_t n_warn_fill;   // fill warnings issued
     int64_t n_warn_l2;     // L2 jump warnings issued
+    int64_t n_nonfinite;   // non-finite values kept out of the statistics (docs/monitoring.md, "Non-finite values")
+    int32_t enabled;       // 1: the monitor collects; 0: it is set off (the snapshot holds nothing current)
 };
 
 // Copies the latest snapshot (any thread). heads/seqs/events may be NULL; at most the given
