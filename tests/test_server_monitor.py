@@ -10,6 +10,7 @@ import re
 import subprocess
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,26 +85,70 @@ def test_metrics_and_snapshot_with_two_slots(bins: Path, model: Path) -> None:
         assert status == 200 and [layer["layer"] for layer in json.loads(body)["layers"]] == [3]
         status, body = get(f"{url}/kvcomp?format=prometheus")
         assert status == 200 and "llamacpp:kvcomp_k_rmse{" in body
+        # layer applies to the Prometheus text too: that layer's per-head series only
+        status, body = get(f"{url}/kvcomp?layer=3&format=prometheus")
+        assert status == 200
+        one = _samples(_families(body), "llamacpp:kvcomp_k_rmse")
+        assert set(one) == {(("head", str(h)), ("layer", "3")) for h in range(N_HEAD_KV)}
+        # nothing non-finite met, and the counter says so in both forms
+        assert _samples(fams, "llamacpp:kvcomp_nonfinite") == {(): 0.0}
+        assert snap["nonfinite"] == 0
 
 
-@pytest.mark.parametrize(("query", "message"), [
-    ("?layer=abc", "layer must be a whole number"),
-    ("?layer=30", "layer must be a whole number in [0, 30)"),
-    ("?layer=-1", "layer must be a whole number"),
-    ("?format=xml", "format must be json or prometheus"),
-    ("?verbose=1", "unknown query parameter 'verbose'"),
-])
-def test_bad_requests_get_clean_errors(bins: Path, model: Path, query: str, message: str) -> None:
+@pytest.fixture(scope="module")
+def low_latency_url(bins: Path, model: Path) -> Iterator[str]:
+    """One server for the request checks below (they decode nothing)."""
     with server(bins, model, "-c", "512", "--metrics", "--kv-comp", "low-latency") as url:
-        status, body = get(f"{url}/kvcomp{query}")
-        assert status == 400
-        assert message in json.loads(body)["error"]["message"]
-        # a method the endpoint does not take, then the server still answers
-        req = urllib.request.Request(f"{url}/kvcomp", data=b"{}", method="POST")
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(req, timeout=30)
-        assert err.value.code in (404, 405)
-        assert get(f"{url}/kvcomp")[0] == 200
+        yield url
+
+
+# the rules of docs/monitoring.md ("Surfaces"): known parameters, each at most once (an exact
+# repeat such as layer=3&layer=3 is dropped by the HTTP library before the handler), a layer
+# that is a whole number below the layer count, a format among two
+@pytest.mark.parametrize(("query", "message"), [
+    ("?layer=abc", "layer must be a whole number in [0, 30), got 'abc'"),
+    ("?layer=30", "layer must be a whole number in [0, 30), got '30'"),
+    ("?layer=-1", "layer must be a whole number in [0, 30), got '-1'"),
+    ("?layer=", "layer must be a whole number in [0, 30), got ''"),
+    ("?layer", "layer must be a whole number in [0, 30), got ''"),
+    ("?layer=%2B3", "layer must be a whole number in [0, 30), got '+3'"),
+    ("?layer=%203", "layer must be a whole number in [0, 30), got ' 3'"),
+    ("?layer=3.0", "layer must be a whole number in [0, 30), got '3.0'"),
+    ("?layer=99999999999999999999", "layer must be a whole number in [0, 30)"),
+    ("?layer=0&layer=1", "query parameter 'layer' given 2 times (at most once)"),
+    ("?format=json&layer=2&format=prometheus", "query parameter 'format' given 2 times (at most once)"),
+    ("?format=xml", "format must be json or prometheus, got 'xml'"),
+    ("?format=", "format must be json or prometheus, got ''"),
+    ("?verbose=1", "unknown query parameter 'verbose' (layer, format)"),
+    ("?layer=1&Layer=1", "unknown query parameter 'Layer' (layer, format)"),
+])
+def test_bad_requests_get_clean_errors(low_latency_url: str, query: str, message: str) -> None:
+    url = low_latency_url
+    status, body = get(f"{url}/kvcomp{query}")
+    assert status == 400
+    assert message in json.loads(body)["error"]["message"]
+    # a method the endpoint does not take, then the server still answers
+    req = urllib.request.Request(f"{url}/kvcomp", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code in (404, 405)
+    assert get(f"{url}/kvcomp")[0] == 200
+
+
+@pytest.mark.parametrize("query", ["", "?layer=0", "?layer=29", "?format=json", "?format=prometheus&layer=7"])
+def test_good_requests_are_answered(low_latency_url: str, query: str) -> None:
+    status, body = get(f"{low_latency_url}/kvcomp{query}")
+    assert status == 200 and body
+
+
+def test_endpoint_off_with_the_monitor_off(bins: Path, model: Path) -> None:
+    # the monitor exists but collects nothing: no snapshot to serve, no series to add
+    with server(bins, model, "-c", "512", "--metrics", "--kv-comp", "balanced", "--kv-comp-monitor", "off") as url:
+        post(f"{url}/completion", {"prompt": "Once upon a time", "n_predict": 4, "temperature": 0})
+        status, body = get(f"{url}/kvcomp")
+        assert status == 501 and "kvcomp monitoring is off" in json.loads(body)["error"]["message"]
+        status, text = get(f"{url}/metrics")
+        assert status == 200 and "llamacpp:prompt_tokens" in text and "llamacpp:kvcomp_" not in text
 
 
 def test_endpoint_off_without_metrics_flag(bins: Path, model: Path) -> None:

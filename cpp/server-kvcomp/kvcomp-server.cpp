@@ -14,8 +14,18 @@
 #include <string>
 #include <vector>
 
+// whether the context has a monitor that is on (--kv-comp-monitor off keeps one that has
+// nothing current)
+static bool kvcomp_monitoring(llama_context * ctx) {
+    llama_kvcomp_snapshot snap = {};
+    return ctx && llama_kvcomp_get_snapshot(ctx, &snap, nullptr, 0, nullptr, 0, nullptr, 0) == 0 && snap.enabled;
+}
+
 static bool kvcomp_snapshot_string(llama_context * ctx, int32_t format, int32_t layer, std::string & out) {
-    const int64_t n = ctx ? llama_kvcomp_snapshot_text(ctx, format, layer, nullptr, 0) : -1;
+    if (!kvcomp_monitoring(ctx)) {
+        return false;
+    }
+    const int64_t n = llama_kvcomp_snapshot_text(ctx, format, layer, nullptr, 0);
     if (n < 0) {
         return false;
     }
@@ -120,14 +130,38 @@ static int32_t kvcomp_snapshot_layers(llama_context * ctx) {
     return n;
 }
 
+// How often each key occurs in a query string ("a=1&a=2&b"): req.params keeps one value per key.
+static std::map<std::string, int> kvcomp_query_counts(const std::string & query) {
+    std::map<std::string, int> counts;
+    size_t pos = 0;
+    while (pos <= query.size() && !query.empty()) {
+        size_t end = query.find('&', pos);
+        end = end == std::string::npos ? query.size() : end;
+        const std::string item = query.substr(pos, end - pos);
+        if (!item.empty()) {
+            ++counts[item.substr(0, item.find('='))];
+        }
+        pos = end + 1;
+    }
+    return counts;
+}
+
 server_http_context::handler_t kvcomp_server_handler(bool enabled, std::function<llama_context *()> get_ctx) {
     return [enabled, get_ctx = std::move(get_ctx)](const server_http_req & req) -> server_http_res_ptr {
         if (!enabled) {
             return kvcomp_error("This server does not support the kvcomp endpoint. Start it with `--metrics`", ERROR_TYPE_NOT_SUPPORTED);
         }
+        // The rules of docs/monitoring.md ("Surfaces"): known parameters only, each at most
+        // once, and a value to each that is given.
         for (const auto & [key, value] : req.params) {
             if (key != "layer" && key != "format") {
                 return kvcomp_error("unknown query parameter '" + key + "' (layer, format)", ERROR_TYPE_INVALID_REQUEST);
+            }
+        }
+        for (const auto & [key, n] : kvcomp_query_counts(req.query_string)) {
+            if (n > 1) {
+                return kvcomp_error("query parameter '" + key + "' given " + std::to_string(n) + " times (at most once)",
+                    ERROR_TYPE_INVALID_REQUEST);
             }
         }
         const std::string fmt = req.get_param("format", "json");
@@ -135,18 +169,19 @@ server_http_context::handler_t kvcomp_server_handler(bool enabled, std::function
             return kvcomp_error("format must be json or prometheus, got '" + fmt + "'", ERROR_TYPE_INVALID_REQUEST);
         }
         llama_context * ctx = get_ctx();
+        if (!kvcomp_monitoring(ctx)) {
+            return kvcomp_error("kvcomp monitoring is off (start the server with --kv-comp MODE and --kv-comp-monitor on)",
+                ERROR_TYPE_NOT_SUPPORTED);
+        }
         int32_t layer = -1;
-        const std::string layer_str = req.get_param("layer");
-        if (!layer_str.empty()) {
-            size_t end = 0;
-            long v = -1;
-            try {
-                v = std::stol(layer_str, &end);
-            } catch (const std::exception &) {
-                end = 0;
-            }
+        if (req.params.count("layer") > 0) {
+            // digits only: no sign, space or exponent (std::stol would take " +3")
+            const std::string layer_str = req.get_param("layer");
+            const bool digits = !layer_str.empty() && layer_str.size() <= 9 &&
+                    std::all_of(layer_str.begin(), layer_str.end(), [](char c) { return c >= '0' && c <= '9'; });
+            const long v = digits ? std::stol(layer_str) : -1;
             const int32_t n_layer = kvcomp_snapshot_layers(ctx);
-            if (end != layer_str.size() || v < 0 || v >= n_layer) {
+            if (v < 0 || v >= n_layer) {
                 return kvcomp_error("layer must be a whole number in [0, " + std::to_string(n_layer) + "), got '" + layer_str + "'",
                     ERROR_TYPE_INVALID_REQUEST);
             }

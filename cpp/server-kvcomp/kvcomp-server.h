@@ -9,12 +9,15 @@
 
 struct llama_context;
 
-// /metrics: upstream's handler, then the monitor's series when it answered 200.
+// /metrics: upstream's handler, then the monitor's series when it answered 200 and a monitor
+// is on.
 server_http_context::handler_t kvcomp_server_metrics_handler(server_http_context::handler_t upstream,
                                                              std::function<llama_context *()> ctx);
 
-// GET /kvcomp[?layer=N][&format=json|prometheus]: the snapshot; 501 when the endpoint or the
-// monitor is off, 400 for a bad query.
+// GET /kvcomp[?layer=N][&format=json|prometheus]: the snapshot (layer N's per-head rows only
+// when given, in either format); 501 when the endpoint or the monitor is off; 400 for an
+// unknown parameter, one given twice, a layer that is not a whole number below the model's
+// layer count (an empty one included), a format other than json or prometheus.
 // ctx is asked for when a request comes (the model loads after the routes are registered);
 // it only names the monitor (the snapshot is a copy the decoding thread published), so the
 // HTTP threads never touch the context itself.
