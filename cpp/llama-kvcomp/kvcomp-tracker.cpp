@@ -160,8 +160,15 @@ ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor *
     // are among its stream's first go to the stream's block, then each plane's c is made from
     // its block (the mean of those rows when they are complete now, else the c it holds, or 0)
     // and written back to it.
+    // A value that is not finite (a model's NaN) is 0, as the quantizer takes it without a
+    // tracker (docs/formats.md), both in c and in the row stored as k - c: relu(x) - relu(-x)
+    // is x for every finite x and 0 for NaN, and the clamp to F16's range bounds an infinity.
+    // One NaN would otherwise make c, and so every later key of the stream, NaN (stored as
+    // zeros), and a NaN row would be stored as k = c instead of k = 0.
+    ggml_tensor * finite = ggml_clamp(ctx0, ggml_sub(ctx0, ggml_relu(ctx0, cur), ggml_relu(ctx0, ggml_neg(ctx0, cur))),
+            -65504.0f, 65504.0f);
     ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, n_store_rows(), nb1, 0);
-    all = ggml_set_rows(ctx0, all, cur, ggml_view_1d(ctx0, copy_idx, n_tok, 0));
+    all = ggml_set_rows(ctx0, all, finite, ggml_view_1d(ctx0, copy_idx, n_tok, 0));
     ggml_tensor * blocks = ggml_view_3d(ctx0, all, ne0, KVCOMP_CALIB_N + 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1),
             row_raw(plane_strm0, 0) * nb1);
     ggml_tensor * w = ggml_view_3d(ctx0, weights, 1, KVCOMP_CALIB_N + 1, np, weights->nb[1], weights->nb[2], 0);
@@ -177,7 +184,7 @@ ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor *
         reenc[ib] = ggml_sub(ctx0, raw, cs);
     }
 
-    ggml_tensor * x = ggml_view_3d(ctx0, cur, ne0, ntp, np, cur->nb[1], cur->nb[1] * ntp, 0);
+    ggml_tensor * x = ggml_view_3d(ctx0, finite, ne0, ntp, np, finite->nb[1], finite->nb[1] * ntp, 0);
     return ggml_reshape_2d(ctx0, ggml_sub(ctx0, x, c_rows), ne0, n_tok);
 }
 
