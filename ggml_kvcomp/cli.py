@@ -137,12 +137,15 @@ def cmd_ppl(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.parallel:
+        return _bench_parallel(args, argv)
     model = models.fetch_model(args.model)
     results = []
     configs = _configs(args.configs)
+    depths = args.depths or [0, 4096]
     for cfg in configs:
         print(f"kvcomp bench: {cfg.label} ...", file=sys.stderr, flush=True)
-        results.extend(bench.run_bench(cfg, model, args.depths, args.n_gen, args.threads, args.reps,
+        results.extend(bench.run_bench(cfg, model, depths, args.n_gen, args.threads, args.reps,
                                        args.n_prompt, args.ngl))
     prefill = f" -p {args.n_prompt}" if args.n_prompt else ""
     offload = f", -ngl {args.ngl}" if args.ngl else ""
@@ -150,6 +153,28 @@ def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
                f"{offload}")
     section = f"bench-{args.model}" + _section_suffix(configs)
     _emit(args, argv, bench.bench_table(results), [asdict(r) for r in results], section, heading, "")
+    return 0
+
+
+def _bench_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """`kvcomp bench --parallel N`: N sequences decoding together (llama-batched-bench)."""
+    if args.n_prompt:
+        raise ValueError("--n-prompt does not apply with --parallel: its prompt column is the fill to each depth")
+    depths = args.depths or [2048, 4096]
+    if min(depths) < 1:
+        raise ValueError("--parallel decodes after a prompt: give --depths of 1 or more (e.g. 2048,4096)")
+    model = models.fetch_model(args.model)
+    configs = _configs(args.configs)
+    results = []
+    for cfg in configs:
+        print(f"kvcomp bench: {cfg.label}, {args.parallel} sequences ...", file=sys.stderr, flush=True)
+        results.extend(bench.run_parallel(cfg, model, depths, args.n_gen, args.parallel, args.threads, args.ngl))
+    offload = f", -ngl {args.ngl}" if args.ngl else ""
+    n_ctx = bench.parallel_ctx(depths, args.n_gen, args.parallel)
+    heading = (f"Parallel decode, {args.model}, {args.parallel} sequences, llama-batched-bench -pps -fa on "
+               f"-c {n_ctx} -ntg {args.n_gen}, {args.threads} threads{offload}")
+    section = f"bench-parallel{args.parallel}-{args.model}" + _section_suffix(configs)
+    _emit(args, argv, bench.parallel_table(results), [asdict(r) for r in results], section, heading, "")
     return 0
 
 
@@ -270,12 +295,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--chunks", type=_positive, default=16)
         sp.set_defaults(func=func)
 
-    bn = sub.add_parser("bench", help="llama-bench decode speed at several depths")
+    bn = sub.add_parser("bench", help="llama-bench decode speed at several depths; --parallel: N sequences together")
     common(bn)
-    bn.add_argument("--depths", type=_depths, default=[0, 4096])
-    bn.add_argument("--n-gen", type=_positive, default=32)
+    bn.add_argument("--depths", type=_depths, help="default 0,4096 (with --parallel 2048,4096)")
+    bn.add_argument("--n-gen", type=_positive, default=32, help="tokens generated (per sequence with --parallel)")
     bn.add_argument("--n-prompt", type=int, default=0, help="also measure prefill of this many tokens (pp)")
-    bn.add_argument("--reps", type=_positive, default=2)
+    bn.add_argument("--reps", type=_positive, default=2, help="llama-bench repetitions (one run with --parallel)")
+    bn.add_argument("--parallel", type=_positive, default=0, metavar="N",
+                    help="N sequences decoding together after a prompt of each depth, each in its own stream of "
+                         "a split cache, as a server batches its slots (llama-batched-bench -pps -npl N)")
     bn.set_defaults(func=cmd_bench)
 
     st = sub.add_parser("steps", help="per-step decode latency, steps with and without a residual-buffer merge")
