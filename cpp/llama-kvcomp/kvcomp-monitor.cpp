@@ -190,13 +190,14 @@ void llama_kvcomp_monitor::warn(llama_kvcomp_snapshot & snap, const std::vector<
         l2_mean[i] = l2_mean[i] > 0.0f ? l2_mean[i] + KVCOMP_L2_MEAN_ALPHA * (x - l2_mean[i]) : x;
     }
     ++n_l2_seen;
-    if (n_jumped > 0) {
-        // one line per refresh, however many heads jumped
+    // once per jump (its first refresh, however many heads), counted at every refresh
+    if (n_jumped > 0 && !l2_warned) {
         LLAMA_LOG_WARN("kvcomp: monitor: buffer K norm per row jumped past %.1f x its mean in %d layer/heads "
                 "(largest: layer %d head %d, %.1f x)\n", params.l2_jump, n_jumped, heads[worst].il, heads[worst].head,
                 worst_ratio);
-        snap.n_warn_l2 += n_jumped;
     }
+    snap.n_warn_l2 += n_jumped;
+    l2_warned = n_jumped > 0;
 }
 
 int32_t llama_kvcomp_monitor::observe(llama_seq_id seq_id, int32_t i, llama_token token) {

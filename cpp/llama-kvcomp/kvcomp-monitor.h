@@ -68,6 +68,7 @@ private:
     // decoding thread only
     int64_t n_ubatches = 0;
     bool    fill_warned = false;
+    bool    l2_warned   = false; // a jump is logged at its first refresh only
     std::vector<float> l2_mean; // running mean of each head's K buffer norm per held row
     int32_t n_l2_seen = 0;
     std::map<llama_seq_id, seq_state> seqs;

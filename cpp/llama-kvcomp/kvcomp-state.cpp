@@ -6,6 +6,7 @@
 #include "kvcomp-buffer.h"
 #include "llama-kvcomp.h"
 
+#include "llama-context.h"
 #include "llama-impl.h"
 #include "llama-io.h"
 #include "llama-kv-cache.h"
@@ -17,6 +18,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -229,15 +231,14 @@ const char * llama_kvcomp_last_error(void) {
     return kvcomp_last_error.empty() ? nullptr : kvcomp_last_error.c_str();
 }
 
-size_t llama_kvcomp_state_seal_size() {
-    return sizeof(kvcomp_seal);
-}
-
-size_t llama_kvcomp_state_sealed_size(size_t n) {
+// The size upstream reports for a state of n bytes, seal included (0 stays 0).
+static size_t kvcomp_state_sealed_size(size_t n) {
     return n ? n + sizeof(kvcomp_seal) : 0;
 }
 
-size_t llama_kvcomp_state_save(uint8_t * dst, size_t size, const std::function<size_t(size_t)> & save) {
+// Host buffers: save(n) writes the state into dst, at most n bytes, and returns its size; the
+// seal follows it. Returns the size with the seal, or 0.
+static size_t kvcomp_state_save(uint8_t * dst, size_t size, const std::function<size_t(size_t)> & save) {
     const kvcomp_state_op op;
     if (size < sizeof(kvcomp_seal)) {
         llama_kvcomp_state_failed("the buffer is smaller than the state");
@@ -255,7 +256,11 @@ size_t llama_kvcomp_state_save(uint8_t * dst, size_t size, const std::function<s
     return n + sizeof(s);
 }
 
-size_t llama_kvcomp_state_load(const uint8_t * src, size_t size, const std::function<size_t(size_t)> & load,
+// load(n) reads the state from the first n bytes of src and returns the bytes it used;
+// clear() empties what a refused state may have restored. A sealed state is checked before
+// load runs; an unsealed one (upstream's) must be used to its last byte. Returns the bytes
+// used, seal included, or 0 with the reason kept.
+static size_t kvcomp_state_load(const uint8_t * src, size_t size, const std::function<size_t(size_t)> & load,
                                const std::function<void()> & clear) {
     const kvcomp_state_op op;
     // the deprecated llama_set_state_data passes no size: nothing marks where a seal would be
@@ -288,7 +293,8 @@ size_t llama_kvcomp_state_load(const uint8_t * src, size_t size, const std::func
     });
 }
 
-size_t llama_kvcomp_state_save_file(const char * path, const std::function<size_t()> & save) {
+// Files: save() writes the file (0: failed); the seal is appended. Returns the sealed size.
+static size_t kvcomp_state_save_file(const char * path, const std::function<size_t()> & save) {
     const kvcomp_state_op op;
     return kvcomp_guard([&]() -> size_t {
         const size_t n = save();
@@ -312,7 +318,11 @@ size_t llama_kvcomp_state_save_file(const char * path, const std::function<size_
     });
 }
 
-size_t llama_kvcomp_state_load_file(const char * path, uint32_t magic, uint32_t version, bool verify, size_t n_token_capacity,
+// With verify, checks the header (magic, version, token count against n_token_capacity) and the
+// seal; then runs load(), and an exception or 0 from it runs clear(). Returns what load
+// returned (a byte count with the seal counted), or 0 with the reason kept. Without verify (a
+// caller asking the token count only) only load runs.
+static size_t kvcomp_state_load_file(const char * path, uint32_t magic, uint32_t version, bool verify, size_t n_token_capacity,
                                     const std::function<size_t()> & load, const std::function<void()> & clear) {
     const kvcomp_state_op op;
     return kvcomp_guard([&]() -> size_t {
@@ -452,4 +462,63 @@ void llama_kvcomp_buffer::check_restored_rows(llama_io_read_i & io, llama_kv_cac
         LLAMA_LOG_INFO("kvcomp: state: K/V rows of %zu restored cells checked in %.1f ms\n", n_rows,
                        (ggml_time_us() - t0) / 1000.0);
     }
+}
+
+size_t llama_kvcomp_state_get_size(llama_context * ctx) {
+    return kvcomp_state_sealed_size(ctx->state_get_size());
+}
+
+size_t llama_kvcomp_state_get_data(llama_context * ctx, uint8_t * dst, size_t size) {
+    return kvcomp_state_save(dst, size, [&](size_t n) { return ctx->state_get_data(dst, n); });
+}
+
+size_t llama_kvcomp_state_set_data(llama_context * ctx, const uint8_t * src, size_t size) {
+    return kvcomp_state_load(src, size, [&](size_t n) { return ctx->state_set_data(src, n); },
+                             [&]() { llama_memory_clear(llama_get_memory(ctx), true); });
+}
+
+bool llama_kvcomp_state_load_file(llama_context * ctx, const char * path, llama_token * tokens_out,
+                                  size_t n_token_capacity, size_t * n_token_count_out) {
+    return kvcomp_state_load_file(path, LLAMA_SESSION_MAGIC, LLAMA_SESSION_VERSION, true, n_token_capacity,
+        [&]() -> size_t { return ctx->state_load_file(path, tokens_out, n_token_capacity, n_token_count_out); },
+        [&]() { llama_memory_clear(llama_get_memory(ctx), true); }) != 0;
+}
+
+bool llama_kvcomp_state_save_file(llama_context * ctx, const char * path, const llama_token * tokens, size_t n_token_count) {
+    return kvcomp_state_save_file(path, [&]() -> size_t { return ctx->state_save_file(path, tokens, n_token_count); }) != 0;
+}
+
+// States kept on the device never leave the process: neither sealed nor checked.
+size_t llama_kvcomp_state_seq_get_size(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags) {
+    const size_t n = ctx->state_seq_get_size(seq_id, flags);
+    return flags & LLAMA_STATE_SEQ_FLAGS_ON_DEVICE ? n : kvcomp_state_sealed_size(n);
+}
+
+size_t llama_kvcomp_state_seq_get_data(llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id,
+                                       llama_state_seq_flags flags) {
+    if (flags & LLAMA_STATE_SEQ_FLAGS_ON_DEVICE) {
+        return ctx->state_seq_get_data(seq_id, dst, size, flags);
+    }
+    return kvcomp_state_save(dst, size, [&](size_t n) { return ctx->state_seq_get_data(seq_id, dst, n, flags); });
+}
+
+size_t llama_kvcomp_state_seq_set_data(llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id seq_id,
+                                       llama_state_seq_flags flags) {
+    if (flags & LLAMA_STATE_SEQ_FLAGS_ON_DEVICE) {
+        return ctx->state_seq_set_data(seq_id, src, size, flags);
+    }
+    return kvcomp_state_load(src, size, [&](size_t n) { return ctx->state_seq_set_data(seq_id, src, n, flags); },
+                             [&]() { llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1); });
+}
+
+size_t llama_kvcomp_state_seq_save_file(llama_context * ctx, const char * path, llama_seq_id seq_id,
+                                        const llama_token * tokens, size_t n_token_count) {
+    return kvcomp_state_save_file(path, [&]() { return ctx->state_seq_save_file(seq_id, path, tokens, n_token_count); });
+}
+
+size_t llama_kvcomp_state_seq_load_file(llama_context * ctx, const char * path, llama_seq_id seq_id, llama_token * tokens_out,
+                                        size_t n_token_capacity, size_t * n_token_count_out) {
+    return kvcomp_state_load_file(path, LLAMA_STATE_SEQ_MAGIC, LLAMA_STATE_SEQ_VERSION, tokens_out != nullptr, n_token_capacity,
+        [&]() { return ctx->state_seq_load_file(seq_id, path, tokens_out, n_token_capacity, n_token_count_out); },
+        [&]() { llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1); });
 }

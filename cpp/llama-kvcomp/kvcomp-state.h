@@ -5,39 +5,31 @@
 // before upstream parses it, and every restored KV row is checked before it is used. A state
 // that fails is refused whole, and the reason is kept for llama_kvcomp_last_error().
 
+#include "llama.h"
+
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <string>
 
 struct llama_file;
 
-// Bytes the seal adds to a state.
-size_t llama_kvcomp_state_seal_size();
-
-// The size upstream reports for a state of n bytes, seal included (0 stays 0).
-size_t llama_kvcomp_state_sealed_size(size_t n);
-
-// Host buffers: save(n) writes the state into dst, at most n bytes, and returns its size; the
-// seal follows it. Returns the size with the seal, or 0.
-size_t llama_kvcomp_state_save(uint8_t * dst, size_t size, const std::function<size_t(size_t)> & save);
-
-// load(n) reads the state from the first n bytes of src and returns the bytes it used;
-// clear() empties what a refused state may have restored. A sealed state is checked before
-// load runs; an unsealed one (upstream's) must be used to its last byte. Returns the bytes
-// used, seal included, or 0 with the reason kept.
-size_t llama_kvcomp_state_load(const uint8_t * src, size_t size, const std::function<size_t(size_t)> & load,
-                               const std::function<void()> & clear);
-
-// Files: save() writes the file and returns its size (0: failed); the seal is appended.
-size_t llama_kvcomp_state_save_file(const char * path, const std::function<size_t()> & save);
-
-// With verify, checks the header (magic, version, token count against n_token_capacity) and the
-// seal; then runs load(), and an exception or 0 from it runs clear(). Returns what load
-// returned, or 0 with the reason kept. Without verify (a caller asking the token count only)
-// only load runs.
-size_t llama_kvcomp_state_load_file(const char * path, uint32_t magic, uint32_t version, bool verify, size_t n_token_capacity,
-                                    const std::function<size_t()> & load, const std::function<void()> & clear);
+// What llama.h's state functions do (patch 0016 forwards each to its namesake here): the
+// state as upstream writes and reads it, sealed on the way out and checked on the way in.
+size_t llama_kvcomp_state_get_size(llama_context * ctx);
+size_t llama_kvcomp_state_get_data(llama_context * ctx, uint8_t * dst, size_t size);
+size_t llama_kvcomp_state_set_data(llama_context * ctx, const uint8_t * src, size_t size);
+bool   llama_kvcomp_state_load_file(llama_context * ctx, const char * path, llama_token * tokens_out,
+                                    size_t n_token_capacity, size_t * n_token_count_out);
+bool   llama_kvcomp_state_save_file(llama_context * ctx, const char * path, const llama_token * tokens, size_t n_token_count);
+size_t llama_kvcomp_state_seq_get_size(llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags);
+size_t llama_kvcomp_state_seq_get_data(llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id,
+                                       llama_state_seq_flags flags);
+size_t llama_kvcomp_state_seq_set_data(llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id seq_id,
+                                       llama_state_seq_flags flags);
+size_t llama_kvcomp_state_seq_save_file(llama_context * ctx, const char * path, llama_seq_id seq_id,
+                                        const llama_token * tokens, size_t n_token_count);
+size_t llama_kvcomp_state_seq_load_file(llama_context * ctx, const char * path, llama_seq_id seq_id, llama_token * tokens_out,
+                                        size_t n_token_capacity, size_t * n_token_count_out);
 
 // The seal bytes at the end of an open state file (0 for upstream's unsealed files), for the
 // loaders that compare the state's size with the file's.
