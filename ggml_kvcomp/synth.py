@@ -57,6 +57,20 @@ def gguf_module() -> Any:
     return gguf
 
 
+def copy_tokenizer(reader: Any, writer: Any) -> int:
+    """Copies the tokenizer.* keys of a GGUFReader into a GGUFWriter; returns the vocabulary size
+    (0 when the source has no token list)."""
+    n_vocab = 0
+    for field in reader.fields.values():
+        if field.name.startswith("tokenizer."):
+            value = field.contents()
+            sub_type = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(field.name, value, field.types[0], sub_type)
+            if field.name == "tokenizer.ggml.tokens":
+                n_vocab = len(value)
+    return n_vocab
+
+
 def _spec(shape: SynthShape, tokenizer_source: Path) -> str:
     return json.dumps({"generator": GENERATOR_VERSION, "tokenizer": tokenizer_source.name, **asdict(shape)},
                       sort_keys=True) + "\n"
@@ -85,14 +99,7 @@ def write_synthetic(out: Path, tokenizer_source: Path, shape: SynthShape = Synth
     w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(ftypes[shape.weights])
-    n_vocab = 0
-    for field in reader.fields.values():
-        if field.name.startswith("tokenizer."):
-            value = field.contents()
-            sub_type = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(field.name, value, field.types[0], sub_type)
-            if field.name == "tokenizer.ggml.tokens":
-                n_vocab = len(value)
+    n_vocab = copy_tokenizer(reader, w)
     if n_vocab == 0:
         raise ValueError(f"{tokenizer_source} has no tokenizer.ggml.tokens")
 

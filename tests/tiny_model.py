@@ -7,27 +7,19 @@ SmolLM2 so the tools can tokenize the corpus.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ggml_kvcomp import upstream
-
-
-def _gguf() -> Any:
-    sys.path.insert(0, str(upstream.prepare() / "vendor" / "llama.cpp" / "gguf-py"))
-    import gguf  # type: ignore[import-not-found]  # upstream gguf-py, put on the path above
-
-    return gguf
+from ggml_kvcomp import synth
 
 
 def write_tiny_llama(out: Path, tokenizer_source: Path, head_dim: int, n_head: int = 2, n_head_kv: int = 1,
                      n_layer: int = 2, seed: int = 0, n_embd: int | None = None) -> Path:
     """n_embd: the model width (default n_head * head_dim); a smaller one keeps a model with
     many heads small (Q/K/V project to n_head * head_dim and back)."""
-    gguf = _gguf()
+    gguf = synth.gguf_module()
     rng = np.random.default_rng(seed)
     n_embd = n_embd or n_head * head_dim
     n_ff = 2 * n_embd
@@ -44,14 +36,7 @@ def write_tiny_llama(out: Path, tokenizer_source: Path, head_dim: int, n_head: i
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
-    n_vocab = 0
-    for field in reader.fields.values():
-        if field.name.startswith("tokenizer."):
-            value = field.contents()
-            sub_type = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(field.name, value, field.types[0], sub_type)
-            if field.name == "tokenizer.ggml.tokens":
-                n_vocab = len(value)
+    n_vocab = synth.copy_tokenizer(reader, w)
 
     def rand(*shape: int) -> np.ndarray[Any, Any]:
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
