@@ -91,13 +91,6 @@ def test_parallel_table() -> None:
 
 _RUNS: dict[str, list[bench.ParallelResult]] = {}
 
-# upstream's llama-batched-bench parses --kv-comp (common args) but never applies it: it makes its
-# context with llama_init_from_model, without common_kvcomp_apply; run_parallel refuses it then.
-# Strict: remove the mark when the hook is in the patch series.
-NEEDS_HOOK = pytest.mark.xfail(raises=RuntimeError, strict=True,
-                               reason="llama-batched-bench lacks the common_kvcomp_apply hook")
-
-
 def tiny_run(model: Path, spec: str) -> bench.ParallelResult:
     """Two sequences at depth 64, 4 tokens each, run once per configuration."""
     if spec not in _RUNS:
@@ -106,7 +99,7 @@ def tiny_run(model: Path, spec: str) -> bench.ParallelResult:
     return r
 
 
-@pytest.mark.parametrize("spec", ["f16", "kvc4", pytest.param("balanced", marks=NEEDS_HOOK)])
+@pytest.mark.parametrize("spec", ["f16", "kvc4", "balanced"])
 def test_tiny_run(model: Path, spec: str) -> None:
     r = tiny_run(model, spec)
     assert (r.label, r.n_parallel, r.depth, r.n_gen) == (spec, 2, 64, 4)
@@ -123,7 +116,6 @@ def test_tiny_run_memory(model: Path, spec: str, bpe: float) -> None:
     assert r.kv_buffer_mib == 0 and r.bpe == pytest.approx(bpe)
 
 
-@NEEDS_HOOK
 def test_tiny_run_buffer(model: Path) -> None:
     """balanced: kvc4/kvc3 main cells and a residual buffer per stream, counted in bpe."""
     r, f16 = tiny_run(model, "balanced"), tiny_run(model, "f16")

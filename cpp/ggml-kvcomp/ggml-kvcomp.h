@@ -16,6 +16,26 @@ extern "C" {
 // Returns GGML_TYPE_COUNT when the name is not a kvc type.
 GGML_API enum ggml_type ggml_kvcomp_type_from_name(const char * name);
 
+// Two-source attention. A FLASH_ATTN_EXT node may read a second K/V pair beside its main one
+// (the residual buffer's exact F16 rows beside the quantized cells), under one online softmax:
+// key j < k->ne[1] is main cell j, key k->ne[1] + i is exact row i, and the mask has a column
+// for each (mask->ne[0] == k->ne[1] + k_exact->ne[1]). The exact pair has the main pair's
+// head size, KV heads and streams, and shares its permutation. Set like the sinks, in these
+// sources of the node:
+#define GGML_KVCOMP_FA_SRC_K_EXACT 5
+#define GGML_KVCOMP_FA_SRC_V_EXACT 6
+
+GGML_API void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_tensor * k_exact, struct ggml_tensor * v_exact);
+
+// Whether a FLASH_ATTN_EXT node reads a second source (above).
+GGML_API bool ggml_flash_attn_ext_has_exact(const struct ggml_tensor * a);
+
+// The op-support query's kvcomp rule, asked before a device's own answer: a node with a
+// second attention source runs only where its kernel is (the CPU backend), since a backend
+// that does not know the sources would silently attend the main cells alone.
+struct ggml_backend_device;
+GGML_API bool ggml_kvcomp_dev_supports_op(struct ggml_backend_device * dev, const struct ggml_tensor * op);
+
 #ifdef __cplusplus
 }
 #endif

@@ -32,19 +32,15 @@ GGML_KVCOMP_DECLARE_VEC_DOT(kvc2)
 // for every other type.
 GGML_BACKEND_API ggml_to_float_t ggml_kvc_cpu_get_to_float(enum ggml_type type);
 
-// Whether flash attention may split one query's KV range over the threads, as upstream does
-// for F16/F32 caches: with a few query heads per token, splitting by head leaves threads idle.
-GGML_BACKEND_API bool ggml_kvc_cpu_fa_split_kv(enum ggml_type type_k, enum ggml_type type_v);
-
-// Flash attention of one query token over the cache cells [ic0, ic1), written as upstream's
-// split-KV partials (per query head h, at partials + h * partial_stride: the running maximum,
-// the softmax sum and the unnormalized output). The query heads that share a KV head are
-// done together, so each K and V row is decoded once per token, not once per query head.
-// Returns false, having written nothing, where it does not apply (no AVX2, not kvc K/V,
-// ALiBi, head sizes over 256, more than 16 query heads per KV head); the caller then runs
-// upstream's loop.
-GGML_BACKEND_API bool ggml_kvc_cpu_fa_decode_chunk(const struct ggml_tensor * dst, int64_t ic0, int64_t ic1,
-                                                   float * partials, int64_t partial_stride);
+// FLASH_ATTN_EXT on the CPU when it reads a kvc cache or a second, exact source
+// (ggml_flash_attn_ext_add_exact), kvc-fattn.cpp: a decode kernel that splits the keys of both
+// sources over the threads and reads each packed row once for all query heads of its KV head,
+// and a tiled prompt kernel that dequantizes 64-key tiles into per-thread scratch (never the
+// whole cache) and multiplies them as upstream's tiled F16 path does. params->use_ref selects
+// the scalar reference of both. Returns false, having done nothing, for a node that reads
+// neither (upstream's kernels run it).
+struct ggml_compute_params;
+GGML_BACKEND_API bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 
 // Entries for ggml-cpu.c's type_traits_cpu table.
 #define GGML_KVCOMP_CPU_TYPE_TRAIT(name, NAME)             \

@@ -7,8 +7,11 @@
 #include "llama-impl.h"
 #include "llama-io.h"
 
+#include "ggml-kvcomp.h"
+
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -488,25 +491,53 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     ggml_tensor * & cur     = (is_k ? k_cur : v_cur)[ib];
     ggml_tensor * slots = written ? written : (is_k ? k_buf : v_buf)[ib];
 
-    // the ubatch's streams are consecutive, as upstream's views of the main cache assume
-    ggml_tensor * sv = ggml_view_4d(ctx0, slots, ne0, ne1, n_slots(), ns,
+    // the exact rows: the slots, then the ubatch's own rows rounded to F16 as the slots hold
+    // them, so a key seen exactly is the same value in a batched prompt and a decode step
+    // (the ubatch's streams are consecutive, as upstream's views of the main cache assume)
+    ggml_tensor * exact = ggml_view_4d(ctx0, slots, ne0, ne1, n_slots(), ns,
             ggml_row_size(slots->type, ne0), slots->nb[1], slots->nb[1] * n_rows(), slots->nb[1] * n_rows() * s0);
-    // The CPU's dup dequantizes to F32 only. A GPU's copy is F16: half the bytes to write and
-    // read again, and what its flash-attention kernels take without a conversion.
-    const ggml_tensor * cache = main_view->view_src ? main_view->view_src : main_view;
-    const ggml_type type = cache->buffer && !ggml_backend_buffer_is_host(cache->buffer) ? GGML_TYPE_F16 : GGML_TYPE_F32;
-
-    ggml_tensor * exact = ggml_cast(ctx0, sv, type);
     if (cur) {
         const int64_t n_tps = cur->ne[1] / ns;
         ggml_tensor * uv = ggml_view_4d(ctx0, cur, ne0, ne1, n_tps, ns,
                 ggml_row_size(cur->type, ne0), cur->nb[1], cur->nb[1] * n_tps, 0);
-        exact = ggml_concat(ctx0, exact, ggml_cast(ctx0, uv, type), 2);
+        exact = ggml_concat(ctx0, exact, ggml_cast(ctx0, uv, GGML_TYPE_F16), 2);
     }
     written = nullptr;
     cur     = nullptr;
-    // the small exact part is joined first, so the main cells are copied once
-    return ggml_concat(ctx0, ggml_cast(ctx0, main_view, type), exact, 2);
+
+    const ggml_tensor * cache = main_view->view_src ? main_view->view_src : main_view;
+    if (cache->buffer && !ggml_backend_buffer_is_host(cache->buffer)) {
+        // Device caches: until the GPU kernels read two sources (issue 21), attention reads an
+        // F16 copy of the main cells joined to the exact rows.
+        return ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F16), exact, 2);
+    }
+    // Host caches: attention reads the main cells where they lie and the exact rows as its
+    // second source, attached to the node by llama_kvcomp_add_exact through these names.
+    ggml_format_name(main_view, "kvcomp_main_%c-%d", is_k ? 'k' : 'v', il);
+    ggml_format_name(exact, "kvcomp_exact_%c-%d", is_k ? 'k' : 'v', il);
+    return main_view;
+}
+
+void llama_kvcomp_add_exact(ggml_context * ctx, ggml_tensor * fa) {
+    const ggml_tensor * k = fa->src[1];
+    const ggml_tensor * v = fa->src[2];
+    if (k->op != GGML_OP_PERMUTE || v->op != GGML_OP_PERMUTE) {
+        return;
+    }
+    int il_k = -1;
+    int il_v = -1;
+    if (sscanf(k->src[0]->name, "kvcomp_main_k-%d", &il_k) != 1 || sscanf(v->src[0]->name, "kvcomp_main_v-%d", &il_v) != 1 ||
+        il_k != il_v) {
+        return;
+    }
+    char name[GGML_MAX_NAME];
+    snprintf(name, sizeof(name), "kvcomp_exact_k-%d", il_k);
+    ggml_tensor * ke = ggml_get_tensor(ctx, name);
+    snprintf(name, sizeof(name), "kvcomp_exact_v-%d", il_k);
+    ggml_tensor * ve = ggml_get_tensor(ctx, name);
+    GGML_ASSERT(ke && ve && "kvcomp: the exact rows of a buffered layer are missing from its graph");
+    // the same permutation as the main K/V: [head size, keys, KV heads, streams]
+    ggml_flash_attn_ext_add_exact(fa, ggml_permute(ctx, ke, 0, 2, 1, 3), ggml_permute(ctx, ve, 0, 2, 1, 3));
 }
 
 void llama_kvcomp_buffer::set_input_slot_idxs(int64_t * dst, const llama_kv_cache::slot_info & sinfo) const {

@@ -1,14 +1,19 @@
 // Backend-ops style tests of the kvc types on the CPU backend: SET_ROWS, GET_ROWS, CPY,
 // MUL_MAT (K with flash attention off) and FLASH_ATTN_EXT with kvc K and V, head sizes
-// 64/128/256, for prompt-like batches and for single-token decode (split over cell ranges).
+// 64/128/256, for prompt-like batches and for single-token decode (split over cell ranges),
+// and two-source attention (kvc main cells + exact F16 rows, ggml_flash_attn_ext_add_exact).
 // Each op is compared with
 //  - the reference kernels (quantize_row_*_ref / dequantize_row_*): bit-exact bytes for
-//    writes, float-exact values for reads, NMSE <= 1e-5 for attention on dequantized K/V;
-//  - an f32 computation on the unquantized inputs under a per-type NMSE bound.
+//    writes, float-exact values for reads, NMSE <= 1e-4 for attention on dequantized K/V
+//    (the decode kernel rounds the query to q8_0 for the kvc dot products);
+//  - an f32 computation on the unquantized inputs under a per-type NMSE bound;
+//  - for attention, the kernels' scalar reference (the CPU plan's use_ref) under 1e-9.
 
 #include "kvc-test-util.h"
 #include "kvc-cpu.h"
+#include "ggml-backend-impl.h"
 #include "ggml-cpu.h"
+#include "ggml-kvcomp.h"
 
 #include <algorithm>
 #include <cstring>
@@ -25,7 +30,8 @@ const int       HEAD_DIM[] = { 64, 128, 256 };
 // measured there (kvc3 6.6e-2, kvc2 1.96e-1).
 double fa_bound(ggml_type t, bool decode = false) {
     switch (t) {
-        case GGML_TYPE_KVC8: return 1e-3;
+        case GGML_TYPE_KVC8:
+        case GGML_TYPE_Q8_0: return 1e-3;
         case GGML_TYPE_KVC4: return 2e-2;
         case GGML_TYPE_KVC3: return decode ? 8e-2 : 6e-2;
         case GGML_TYPE_KVC2: return decode ? 2.5e-1 : 2e-1;
@@ -41,10 +47,15 @@ struct graph_ctx {
     }
     ~graph_ctx() { ggml_free(ctx); }
 
-    void compute(ggml_tensor * out, int n_threads = 2) {
+    // use_ref: the CPU backend's scalar reference kernels where it has them
+    void compute(ggml_tensor * out, int n_threads = 2, bool use_ref = false) {
         ggml_cgraph * gf = ggml_new_graph(ctx);
         ggml_build_forward_expand(gf, out);
-        ggml_graph_compute_with_ctx(ctx, gf, n_threads);
+        ggml_cplan plan = ggml_graph_plan(gf, n_threads, nullptr);
+        std::vector<uint8_t> work(plan.work_size);
+        plan.work_data = work.data();
+        plan.use_ref   = use_ref;
+        GGML_ASSERT(ggml_graph_compute(gf, &plan) == GGML_STATUS_SUCCESS);
     }
 };
 
@@ -236,35 +247,185 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_s
     const auto ref_deq = attention_ref(q, kd, vd, mask, d, n_q, n_kv, n_head, n_head_kv, scale, sh.softcap, ps);
     const auto ref_f32 = attention_ref(q, k, v, mask, d, n_q, n_kv, n_head, n_head_kv, scale, sh.softcap, ps);
 
-    if (n_q == 1) {
-        // the decode kernel itself over the whole range, against the same reference: it must
-        // run wherever the CPU backend was built with AVX2 (else upstream's loop stands in)
-        const int64_t stride = 2 + d;
-        std::vector<float> part((size_t) n_head * stride);
-        const bool ran = ggml_kvc_cpu_fa_decode_chunk(out, 0, n_kv, part.data(), stride);
-        const bool simd = ggml_cpu_has_avx2() && ggml_cpu_has_fma();
-        rep.check(ran == simd, "%s K=%s V=%s d=%3d: the kvc decode kernel %s", sh.name, ggml_type_name(tk),
-            ggml_type_name(tv), d, simd ? "runs (AVX2 build)" : "declines (no AVX2)");
-        if (ran) {
-            std::vector<float> o((size_t) n_head * d);
-            for (int h = 0; h < n_head; ++h) {
-                for (int i = 0; i < d; ++i) {
-                    o[(size_t) h * d + i] = part[(size_t) h * stride + 2 + i] / part[(size_t) h * stride + 1];
-                }
-            }
-            const double e_kernel = nmse(o.data(), ref_deq.data(), ref_deq.size());
-            rep.check(e_kernel <= 1e-4, "kvc decode kernel %s K=%s V=%s d=%3d vs dequantized K/V: nmse %.2e <= 1e-4",
-                sh.name, ggml_type_name(tk), ggml_type_name(tv), d, e_kernel);
-        }
-    }
+    // the scalar reference of the same kernels
+    const std::vector<float> got((float *) out->data, (float *) out->data + ref_deq.size());
+    g.compute(out, sh.n_threads, true);
+    const double e_ref = nmse(got.data(), (float *) out->data, got.size());
+    rep.check(e_ref <= 1e-9, "FLASH_ATTN_EXT %s K=%s V=%s d=%3d SIMD vs scalar reference: nmse %.2e <= 1e-9",
+        sh.name, ggml_type_name(tk), ggml_type_name(tv), d, e_ref);
 
-    const double e_deq = nmse((float *) out->data, ref_deq.data(), ref_deq.size());
-    const double e_f32 = nmse((float *) out->data, ref_f32.data(), ref_f32.size());
+    const double e_deq = nmse(got.data(), ref_deq.data(), ref_deq.size());
+    const double e_f32 = nmse(got.data(), ref_f32.data(), ref_f32.size());
     const double bound = std::max(fa_bound(tk, n_q == 1), fa_bound(tv, n_q == 1));
     rep.check(e_deq <= 1e-4, "FLASH_ATTN_EXT %s K=%s V=%s d=%3d vs dequantized K/V: nmse %.2e <= 1e-4",
         sh.name, ggml_type_name(tk), ggml_type_name(tv), d, e_deq);
     rep.check(e_f32 <= bound, "FLASH_ATTN_EXT %s K=%s V=%s d=%3d vs f32 K/V: nmse %.2e <= %.1e",
         sh.name, ggml_type_name(tk), ggml_type_name(tv), d, e_f32, bound);
+}
+
+// Two-source attention: main cells of a kvc type and exact F16 rows under one softmax and one
+// mask whose columns are [main ; exact]; the reference attends the concatenation of the
+// dequantized main rows and the F16-rounded exact rows in double.
+struct fa_exact_shape {
+    int   n_q, n_main, n_exact, n_head, n_head_kv, n_stream, n_threads;
+    float softcap;
+    bool  sinks, mask;
+    const char * name;
+};
+
+// decode: 3 threads over 600 + 70 keys put a range boundary inside each source and one across
+// them; prompt: 70 tokens x 3 heads make more than one 64-row tile per KV head
+const fa_exact_shape FA_EXACT[] = {
+    {  1, 600, 70, 6, 2, 1, 3,  0.0f, false, true,  "decode" },
+    {  1, 256, 40, 9, 3, 2, 2,  0.0f, false, true,  "decode, 2 streams" },
+    {  1, 300, 33, 4, 1, 1, 2, 30.0f, true,  true,  "decode+softcap+sinks" },
+    { 70, 200, 90, 6, 2, 1, 2,  0.0f, false, true,  "prompt" },
+    { 20, 128, 50, 4, 1, 2, 3, 30.0f, true,  true,  "prompt, 2 streams, softcap+sinks" },
+    {  5,  96, 32, 4, 2, 1, 2,  0.0f, false, false, "prompt, no mask" },
+};
+
+void test_flash_attn_exact(report & rep, ggml_type tk, ggml_type tv, int d, const fa_exact_shape & sh) {
+    const int n_q = sh.n_q, n_main = sh.n_main, n_exact = sh.n_exact, n_head = sh.n_head, n_head_kv = sh.n_head_kv;
+    const int ns = sh.n_stream, n_keys = n_main + n_exact;
+    const float scale = 1.0f / std::sqrt((float) d);
+    graph_ctx g(256 * 1024 * 1024);
+
+    const auto q  = make_rows(dist::gaussian, n_head * n_q * ns, d, 51 + d);
+    const auto km = make_rows(dist::gaussian, n_head_kv * n_main * ns, d, 52 + d);
+    const auto vm = make_rows(dist::gaussian, n_head_kv * n_main * ns, d, 53 + d);
+    const auto ke = make_rows(dist::gaussian, n_head_kv * n_exact * ns, d, 54 + d);
+    const auto ve = make_rows(dist::gaussian, n_head_kv * n_exact * ns, d, 55 + d);
+    // per stream: a main cell held exactly is hidden, as are some exact rows and, for one query
+    // in three, a whole stretch of main cells (a thread's range with nothing to attend)
+    std::vector<float> mask((size_t) ns * n_q * n_keys, 0.0f);
+    for (int st = 0; st < ns; ++st) {
+        for (int iq = 0; iq < n_q; ++iq) {
+            for (int j = 0; j < n_keys; ++j) {
+                const bool hidden = j < n_main ? ((j * 7 + iq * 3 + st) % 11 == 0 || (iq % 3 == 1 && j >= n_main / 3 && j < 2 * n_main / 3))
+                                               : ((j + iq + st) % 5 == 0);
+                if (sh.mask && hidden) {
+                    mask[((size_t) st * n_q + iq) * n_keys + j] = -INFINITY;
+                }
+            }
+        }
+    }
+    std::vector<float> sinks(n_head);
+    for (int h = 0; h < n_head; ++h) {
+        sinks[h] = 0.5f * (float) h - 1.0f;
+    }
+
+    ggml_tensor * tq  = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F32, d, n_q, n_head, ns);
+    ggml_tensor * tkm = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F32, d, n_main, n_head_kv, ns);
+    ggml_tensor * tvm = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F32, d, n_main, n_head_kv, ns);
+    ggml_tensor * tke = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F32, d, n_exact, n_head_kv, ns);
+    ggml_tensor * tve = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F32, d, n_exact, n_head_kv, ns);
+    fill(tq, q);
+    fill(tkm, km);
+    fill(tvm, vm);
+    fill(tke, ke);
+    fill(tve, ve);
+    ggml_tensor * tm = nullptr;
+    if (sh.mask) {
+        tm = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F16, n_keys, n_q, 1, ns);
+        for (size_t i = 0; i < mask.size(); ++i) {
+            ((ggml_fp16_t *) tm->data)[i] = ggml_fp32_to_fp16(mask[i]);
+        }
+    }
+
+    ggml_tensor * kq = ggml_cpy(g.ctx, tkm, ggml_new_tensor_4d(g.ctx, tk, d, n_main, n_head_kv, ns));
+    ggml_tensor * vq = ggml_cpy(g.ctx, tvm, ggml_new_tensor_4d(g.ctx, tv, d, n_main, n_head_kv, ns));
+    ggml_tensor * kx = ggml_cpy(g.ctx, tke, ggml_new_tensor_4d(g.ctx, GGML_TYPE_F16, d, n_exact, n_head_kv, ns));
+    ggml_tensor * vx = ggml_cpy(g.ctx, tve, ggml_new_tensor_4d(g.ctx, GGML_TYPE_F16, d, n_exact, n_head_kv, ns));
+    ggml_tensor * out = ggml_flash_attn_ext(g.ctx, tq, kq, vq, tm, scale, 0.0f, sh.softcap);
+    ggml_prec_set_acc(out, GGML_PREC_F32);
+    if (sh.sinks) {
+        ggml_tensor * ts = ggml_new_tensor_1d(g.ctx, GGML_TYPE_F32, n_head);
+        fill(ts, sinks);
+        ggml_flash_attn_ext_add_sinks(out, ts);
+    }
+    if (!tm) {
+        // without a mask the node cannot say how its keys split; ggml_flash_attn_ext_add_exact
+        // requires one, so this shape attaches the sources directly
+        out->src[GGML_KVCOMP_FA_SRC_K_EXACT] = kx;
+        out->src[GGML_KVCOMP_FA_SRC_V_EXACT] = vx;
+    } else {
+        ggml_flash_attn_ext_add_exact(out, kx, vx);
+    }
+    g.compute(out, sh.n_threads);
+    const size_t n_out = (size_t) d * n_head * n_q * ns;
+    const std::vector<float> got((float *) out->data, (float *) out->data + n_out);
+    g.compute(out, sh.n_threads, true);
+    const std::vector<float> got_ref((float *) out->data, (float *) out->data + n_out);
+
+    const auto kmd = dequantize(tk, (uint8_t *) kq->data, d, n_head_kv * n_main * ns);
+    const auto vmd = dequantize(tv, (uint8_t *) vq->data, d, n_head_kv * n_main * ns);
+    std::vector<float> want, want_f32;
+    for (int st = 0; st < ns; ++st) {
+        // [KV head][main ; exact][d] of this stream, quantized and exact
+        std::vector<float> kall, vall, kall_f32, vall_f32;
+        for (int hk = 0; hk < n_head_kv; ++hk) {
+            const size_t m0 = ((size_t) st * n_head_kv + hk) * n_main * d;
+            const size_t e0 = ((size_t) st * n_head_kv + hk) * n_exact * d;
+            kall.insert(kall.end(), kmd.begin() + m0, kmd.begin() + m0 + (size_t) n_main * d);
+            vall.insert(vall.end(), vmd.begin() + m0, vmd.begin() + m0 + (size_t) n_main * d);
+            kall_f32.insert(kall_f32.end(), km.begin() + m0, km.begin() + m0 + (size_t) n_main * d);
+            vall_f32.insert(vall_f32.end(), vm.begin() + m0, vm.begin() + m0 + (size_t) n_main * d);
+            for (size_t i = 0; i < (size_t) n_exact * d; ++i) {
+                kall.push_back(ggml_fp16_to_fp32(ggml_fp32_to_fp16(ke[e0 + i])));
+                vall.push_back(ggml_fp16_to_fp32(ggml_fp32_to_fp16(ve[e0 + i])));
+                kall_f32.push_back(ke[e0 + i]);
+                vall_f32.push_back(ve[e0 + i]);
+            }
+        }
+        const std::vector<float> qs(q.begin() + (size_t) st * n_head * n_q * d, q.begin() + (size_t) (st + 1) * n_head * n_q * d);
+        const std::vector<float> ms(mask.begin() + (size_t) st * n_q * n_keys, mask.begin() + (size_t) (st + 1) * n_q * n_keys);
+        const float * ps = sh.sinks ? sinks.data() : nullptr;
+        const auto w = attention_ref(qs, kall, vall, ms, d, n_q, n_keys, n_head, n_head_kv, scale, sh.softcap, ps);
+        const auto wf = attention_ref(qs, kall_f32, vall_f32, ms, d, n_q, n_keys, n_head, n_head_kv, scale, sh.softcap, ps);
+        want.insert(want.end(), w.begin(), w.end());
+        want_f32.insert(want_f32.end(), wf.begin(), wf.end());
+    }
+
+    const double e_deq = nmse(got.data(), want.data(), n_out);
+    const double e_ref = nmse(got.data(), got_ref.data(), n_out);
+    const double e_ref_deq = nmse(got_ref.data(), want.data(), n_out);
+    const double e_f32 = nmse(got.data(), want_f32.data(), n_out);
+    const double bound = std::max(fa_bound(tk, n_q == 1), fa_bound(tv, n_q == 1));
+    rep.check(e_deq <= 1e-4 && e_ref_deq <= 1e-4, "two-source %s K=%s V=%s d=%3d vs [dequantized main ; exact]: nmse %.2e (reference %.2e) <= 1e-4",
+        sh.name, ggml_type_name(tk), ggml_type_name(tv), d, e_deq, e_ref_deq);
+    rep.check(e_ref <= 1e-9, "two-source %s K=%s V=%s d=%3d SIMD vs scalar reference: nmse %.2e <= 1e-9",
+        sh.name, ggml_type_name(tk), ggml_type_name(tv), d, e_ref);
+    rep.check(e_f32 <= bound, "two-source %s K=%s V=%s d=%3d vs f32 K/V: nmse %.2e <= %.1e",
+        sh.name, ggml_type_name(tk), ggml_type_name(tv), d, e_f32, bound);
+}
+
+// A node with a second source is refused by the op-support query of any device but the CPU,
+// even one whose own answer for FLASH_ATTN_EXT is yes (as a backend that ignores the extra
+// sources would say).
+void test_exact_support(report & rep) {
+    graph_ctx g(16 * 1024 * 1024);
+    const int d = 64;
+    ggml_tensor * q  = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F32, d, 1, 2, 1);
+    ggml_tensor * k  = ggml_new_tensor_4d(g.ctx, GGML_TYPE_KVC4, d, 256, 1, 1);
+    ggml_tensor * v  = ggml_new_tensor_4d(g.ctx, GGML_TYPE_KVC4, d, 256, 1, 1);
+    ggml_tensor * ke = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F16, d, 8, 1, 1);
+    ggml_tensor * ve = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F16, d, 8, 1, 1);
+    ggml_tensor * m  = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F16, 256 + 8, 1, 1, 1);
+    ggml_tensor * plain = ggml_flash_attn_ext(g.ctx, q, k, v, m, 1.0f, 0.0f, 0.0f);
+    ggml_tensor * two   = ggml_flash_attn_ext(g.ctx, q, k, v, m, 1.0f, 0.0f, 0.0f);
+    ggml_flash_attn_ext_add_exact(two, ke, ve);
+
+    ggml_backend_device fake = {};
+    fake.iface.get_name    = [](ggml_backend_dev_t) { return "FAKE-GPU"; };
+    fake.iface.get_type    = [](ggml_backend_dev_t) { return GGML_BACKEND_DEVICE_TYPE_GPU; };
+    fake.iface.supports_op = [](ggml_backend_dev_t, const ggml_tensor *) { return true; };
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+
+    rep.check(ggml_flash_attn_ext_has_exact(two) && !ggml_flash_attn_ext_has_exact(plain), "the exact sources are attached to the node");
+    rep.check(cpu && ggml_backend_dev_supports_op(cpu, two) && ggml_backend_dev_supports_op(cpu, plain),
+        "op support: the CPU runs a two-source FLASH_ATTN_EXT");
+    rep.check(!ggml_backend_dev_supports_op(&fake, two) && ggml_backend_dev_supports_op(&fake, plain),
+        "op support: a GPU device that answers yes for every op is refused the two-source node, not the plain one");
 }
 
 // K with flash attention off: kq = K^T q through MUL_MAT with q converted to q8_0.
@@ -327,6 +488,23 @@ int main() {
         test_flash_attn(rep, GGML_TYPE_KVC8, GGML_TYPE_KVC4, d);
         test_flash_attn(rep, GGML_TYPE_KVC4, GGML_TYPE_F16, d);
     }
+
+    // two sources: every kvc K/V pair at d = 128, the presets' pairs at every head size
+    for (ggml_type tk : TYPES) {
+        for (ggml_type tv : TYPES) {
+            test_flash_attn_exact(rep, tk, tv, 128, FA_EXACT[0]);
+            test_flash_attn_exact(rep, tk, tv, 128, FA_EXACT[3]);
+        }
+    }
+    for (int d : HEAD_DIM) {
+        for (const fa_exact_shape & sh : FA_EXACT) {
+            test_flash_attn_exact(rep, GGML_TYPE_KVC4, GGML_TYPE_KVC3, d, sh);
+            test_flash_attn_exact(rep, GGML_TYPE_KVC8, GGML_TYPE_KVC8, d, sh);
+        }
+        test_flash_attn_exact(rep, GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, d, FA_EXACT[0]);
+        test_flash_attn_exact(rep, GGML_TYPE_KVC4, GGML_TYPE_F16, d, FA_EXACT[3]);
+    }
+    test_exact_support(rep);
 
     return rep.finish("test-kvc-ops");
 }

@@ -1,0 +1,721 @@
+// CPU flash attention over kvc caches and over two sources: the main cells (any cache type)
+// and the residual buffer's exact F16 rows (ggml_flash_attn_ext_add_exact), under one online
+// softmax and one mask. Nothing is copied outside per-thread scratch: a decode step reads the
+// packed rows where they lie, a prompt dequantizes 64-key tiles.
+//
+// Two kernels, each with a scalar reference (params->use_ref) that the SIMD path is held to
+// (cpp/tests/test-kvc-ops.cpp):
+//  - decode (one query token per stream): a work item is (stream, KV head, key range); the
+//    query heads of the KV head are done together so each packed K and V row is decoded once,
+//    and the keys of both sources are split over the threads, each range written as a partial
+//    (running maximum, sum, unnormalized output) and the ranges combined in order;
+//  - prompt (several query tokens): a work item is (stream, KV head, block of query tokens);
+//    its rows (tokens x query heads, at most 64) meet 64-key tiles dequantized to F32 and
+//    multiplied as upstream's tiled F16 kernel does, so a kvc cache costs about what F16 does.
+
+#include "kvc-cpu.h"
+#include "kvc-simd.h"
+#include "ggml-kvcomp.h"
+#include "ggml-cpu.h"
+#include "ggml-quants.h"
+#include "common.h"
+#include "quants.h"
+#include "simd-gemm.h"
+#include "vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+namespace {
+
+constexpr int64_t KVC_FA_TILE_Q  = GGML_FA_TILE_Q;  // prompt rows per tile (the plan sizes the scratch for these)
+constexpr int64_t KVC_FA_TILE_KV = GGML_FA_TILE_KV; // prompt keys per tile
+constexpr int64_t KVC_FA_PAD     = 16;              // floats between two threads' scratch (a cache line)
+constexpr int     KVC_DEC_TILE   = 32;              // decode keys per online-softmax step
+constexpr int64_t KVC_DEC_GROUP  = 16;              // decode query heads done together
+constexpr int64_t KVC_DEC_MAX_D  = 256;             // decode head size bound (stack buffers)
+constexpr int64_t KVC_MAX_ROW    = 1024;            // prompt K row bound (a stack row before the transpose)
+constexpr int64_t KVC_DEC_MIN_KEYS = 32;            // decode keys a range is worth splitting for
+
+bool is_kvc(ggml_type t) {
+    return t >= GGML_KVCOMP_TYPE_FIRST && t <= GGML_KVCOMP_TYPE_LAST;
+}
+
+typedef void (*row_to_f32_t)(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n);
+
+void row_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
+    memcpy(y, x, n * sizeof(float));
+}
+
+void row_f16_simd(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
+    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) x, y, n);
+}
+
+row_to_f32_t get_row_to_f32(ggml_type t, bool ref) {
+    if (t == GGML_TYPE_F32) {
+        return row_f32;
+    }
+    if (ref) {
+        return ggml_get_type_traits(t)->to_float;
+    }
+    return t == GGML_TYPE_F16 ? row_f16_simd : ggml_kvc_cpu_get_to_float(t);
+}
+
+ggml_vec_dot_t get_kvc_dot_ref(ggml_type t) {
+    switch (t) {
+        case GGML_TYPE_KVC8: return ggml_vec_dot_kvc8_q8_0_generic;
+        case GGML_TYPE_KVC4: return ggml_vec_dot_kvc4_q8_0_generic;
+        case GGML_TYPE_KVC3: return ggml_vec_dot_kvc3_q8_0_generic;
+        case GGML_TYPE_KVC2: return ggml_vec_dot_kvc2_q8_0_generic;
+        default:             return nullptr;
+    }
+}
+
+float dot_f32(const float * a, const float * b, int64_t n, bool ref) {
+    if (ref) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+            s += a[i] * b[i];
+        }
+        return s;
+    }
+    float s;
+    ggml_vec_dot_f32((int) n, &s, 0, a, 0, b, 0, 1);
+    return s;
+}
+
+// y += w * x
+void mad_f32(float * y, const float * x, float w, int64_t n, bool ref) {
+    if (ref) {
+        for (int64_t i = 0; i < n; ++i) {
+            y[i] += w * x[i];
+        }
+        return;
+    }
+    ggml_vec_mad_f32((int) n, y, x, w);
+}
+
+void scale_f32(float * y, float s, int64_t n, bool ref) {
+    if (ref) {
+        for (int64_t i = 0; i < n; ++i) {
+            y[i] *= s;
+        }
+        return;
+    }
+    ggml_vec_scale_f32((int) n, y, s);
+}
+
+// p[j] = exp(x[j] - m) in place; returns the sum (exp(-inf) = 0)
+float softmax_tile(float * x, int n, float m, bool ref) {
+    if (ref) {
+        double sum = 0.0;
+        for (int j = 0; j < n; ++j) {
+            x[j] = x[j] == -INFINITY ? 0.0f : expf(x[j] - m);
+            sum += x[j];
+        }
+        return (float) sum;
+    }
+    return (float) ggml_vec_soft_max_f32(n, x, x, m);
+}
+
+// C[M x N] += A[M x K] * B[K x N]
+void gemm_f32(float * C, const float * A, const float * B, int M, int K, int N, bool ref) {
+    if (!ref) {
+        simd_gemm(C, A, B, M, K, N);
+        return;
+    }
+    for (int i = 0; i < M; ++i) {
+        for (int j = 0; j < N; ++j) {
+            float s = 0.0f;
+            for (int k = 0; k < K; ++k) {
+                s += A[i * K + k] * B[k * N + j];
+            }
+            C[i * N + j] += s;
+        }
+    }
+}
+
+// One K or V source of the node: rows of n keys, indexed [key, KV head, stream].
+struct fa_src {
+    const char * data = nullptr;
+    size_t       nb1 = 0, nb2 = 0, nb3 = 0;
+    ggml_type    type = GGML_TYPE_COUNT;
+    int64_t      n = 0;
+    int64_t      r3 = 1; // query streams per source stream
+
+    const char * row(int64_t j, int64_t hk, int64_t s) const {
+        return data + j * nb1 + hk * nb2 + (s / r3) * nb3;
+    }
+};
+
+fa_src make_src(const ggml_tensor * t, int64_t n_stream) {
+    fa_src s;
+    if (t) {
+        s.data = (const char *) t->data;
+        s.nb1 = t->nb[1];
+        s.nb2 = t->nb[2];
+        s.nb3 = t->nb[3];
+        s.type = t->type;
+        s.n = t->ne[1];
+        s.r3 = n_stream / t->ne[3];
+    }
+    return s;
+}
+
+struct fa_node {
+    const ggml_tensor * q;
+    const ggml_tensor * mask;
+    const ggml_tensor * sinks;
+    ggml_tensor *       dst;
+    fa_src   k[2], v[2]; // main cells, exact rows
+    int64_t  DK, DV, n_q, n_head, n_head_kv, n_stream, G, n_keys;
+    float    scale, softcap, max_bias, m0, m1;
+    uint32_t n_head_log2;
+    bool     ref;
+
+    float slope(int64_t h) const {
+        if (max_bias <= 0.0f) {
+            return 1.0f;
+        }
+        return (uint32_t) h < n_head_log2 ? powf(m0, (float) (h + 1)) : powf(m1, (float) (2 * (h - n_head_log2) + 1));
+    }
+
+    const float * q_row(int64_t iq, int64_t h, int64_t s) const {
+        return (const float *) ((const char *) q->data + iq * q->nb[1] + h * q->nb[2] + s * q->nb[3]);
+    }
+
+    const ggml_fp16_t * mask_row(int64_t iq, int64_t h, int64_t s) const {
+        if (!mask) {
+            return nullptr;
+        }
+        return (const ggml_fp16_t *) ((const char *) mask->data + iq * mask->nb[1] +
+                                      (h % mask->ne[2]) * mask->nb[2] + (s % mask->ne[3]) * mask->nb[3]);
+    }
+
+    // dst is [DV, n_head, n_q, n_stream]
+    float * out_row(int64_t iq, int64_t h, int64_t s) const {
+        return (float *) ((char *) dst->data + ((s * n_q + iq) * n_head + h) * dst->nb[1]);
+    }
+
+    // the score of a key: scaled dot product, softcap, then the mask (already times the slope)
+    float score(float dot, float mv) const {
+        float x = dot * scale;
+        if (softcap != 0.0f) {
+            x = softcap * tanhf(x);
+        }
+        return x + mv;
+    }
+};
+
+// Folds the sink logit s into a running (M, S, acc).
+void add_sink(float s, float & M, float & S, float * acc, int64_t DV, bool ref) {
+    if (s > M) {
+        const float ms = expf(M - s);
+        scale_f32(acc, ms, DV, ref);
+        S = S * ms + 1.0f;
+        M = s;
+    } else {
+        S += expf(s - M);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// decode
+
+struct dec_state {
+    float M[KVC_DEC_GROUP];
+    float S[KVC_DEC_GROUP];
+    float acc[KVC_DEC_GROUP][KVC_DEC_MAX_D];
+};
+
+// Keys [j0, j1) of source `is` (local indices; mask column off + j) for the gn query heads
+// (qy, qf, mp, slopes) of KV head hk in stream s.
+void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, int64_t s, int64_t hk, int64_t gn,
+               const block_q8_0 (*qy)[KVC_DEC_MAX_D / QK8_0], const float * const * qf, const ggml_fp16_t * const * mp,
+               const float * slopes, dec_state & st) {
+    const fa_src & K = a.k[is];
+    const fa_src & V = a.v[is];
+    const bool ref = a.ref;
+    const bool k_kvc = is_kvc(K.type);
+    const ggml_vec_dot_t k_dot_ref = get_kvc_dot_ref(K.type);
+    const row_to_f32_t   k_to_f32  = get_row_to_f32(K.type, ref);
+    const row_to_f32_t   v_to_f32  = get_row_to_f32(V.type, ref);
+    const int64_t DK = a.DK, DV = a.DV;
+    const bool shared_mask = !a.mask || (a.mask->ne[2] == 1 && a.max_bias <= 0.0f);
+
+#if defined(KVC_AVX2)
+    const kvc_row_levels_t k_levels = k_kvc && !ref ? kvc_get_row_levels(K.type) : nullptr;
+    const int64_t nbk = DK / QK_KVC;
+    __m256i lv[KVC_DEC_MAX_D / QK_KVC];
+    __m256  kd[KVC_DEC_MAX_D / QK_KVC];
+    float   qd[KVC_DEC_GROUP][KVC_DEC_MAX_D / QK8_0];
+    if (k_levels) {
+        for (int64_t g = 0; g < gn; ++g) {
+            for (int64_t ib = 0; ib < nbk; ++ib) {
+                qd[g][ib] = GGML_CPU_FP16_TO_FP32(qy[g][ib].d);
+            }
+        }
+    }
+#endif
+
+    float sc[KVC_DEC_GROUP][KVC_DEC_TILE];
+    float kt[KVC_DEC_MAX_D];
+    float vt[KVC_DEC_TILE][KVC_DEC_MAX_D];
+
+    for (int64_t t0 = j0; t0 < j1; t0 += KVC_DEC_TILE) {
+        const int n = (int) std::min<int64_t>(KVC_DEC_TILE, j1 - t0);
+
+        for (int j = 0; j < n; ++j) {
+            const int64_t col = off + t0 + j;
+            bool any = false;
+            for (int64_t g = 0; g < gn; ++g) {
+                const float mv = mp[g] ? (shared_mask && g > 0 ? sc[0][j] : slopes[g] * GGML_CPU_FP16_TO_FP32(mp[g][col])) : 0.0f;
+                sc[g][j] = mv;
+                any |= mv != -INFINITY;
+            }
+            if (!any) {
+                continue;
+            }
+            const char * kr = K.row(t0 + j, hk, s);
+#if defined(KVC_AVX2)
+            if (k_levels) {
+                k_levels(kr, nbk, lv, kd);
+                for (int64_t g = 0; g < gn; ++g) {
+                    if (sc[g][j] == -INFINITY) {
+                        continue;
+                    }
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int64_t ib = 0; ib < nbk; ++ib) {
+                        const __m256i p = kvc_dot_i8_groups(lv[ib], _mm256_loadu_si256((const __m256i *) qy[g][ib].qs));
+                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(kd[ib], _mm256_set1_ps(qd[g][ib])), acc);
+                    }
+                    sc[g][j] = a.score(kvc_hsum_f32_8(acc), sc[g][j]);
+                }
+                continue;
+            }
+#endif
+            if (k_kvc) {
+                for (int64_t g = 0; g < gn; ++g) {
+                    if (sc[g][j] != -INFINITY) {
+                        float d;
+                        k_dot_ref((int) DK, &d, 0, kr, 0, qy[g], 0, 1);
+                        sc[g][j] = a.score(d, sc[g][j]);
+                    }
+                }
+                continue;
+            }
+            k_to_f32(kr, kt, DK);
+            for (int64_t g = 0; g < gn; ++g) {
+                if (sc[g][j] != -INFINITY) {
+                    sc[g][j] = a.score(dot_f32(kt, qf[g], DK, ref), sc[g][j]);
+                }
+            }
+        }
+
+        for (int64_t g = 0; g < gn; ++g) {
+            float m = -INFINITY;
+            for (int j = 0; j < n; ++j) {
+                m = std::max(m, sc[g][j]);
+            }
+            if (m == -INFINITY) {
+                memset(sc[g], 0, n * sizeof(float));
+                continue;
+            }
+            if (m > st.M[g]) {
+                const float ms = expf(st.M[g] - m);
+                scale_f32(st.acc[g], ms, DV, ref);
+                st.S[g] *= ms;
+                st.M[g] = m;
+            }
+            st.S[g] += softmax_tile(sc[g], n, st.M[g], ref);
+        }
+
+        // the tile's V rows are decoded once for all heads
+        int live[KVC_DEC_TILE];
+        int n_live = 0;
+        for (int j = 0; j < n; ++j) {
+            bool any = false;
+            for (int64_t g = 0; g < gn; ++g) {
+                any |= sc[g][j] != 0.0f;
+            }
+            if (any) {
+                v_to_f32(V.row(t0 + j, hk, s), vt[n_live], DV);
+                live[n_live++] = j;
+            }
+        }
+#if defined(KVC_AVX2)
+        if (!ref && DV % 32 == 0) {
+            for (int64_t g = 0; g < gn; ++g) {
+                for (int64_t d0 = 0; d0 < DV; d0 += 32) {
+                    __m256 a0 = _mm256_loadu_ps(st.acc[g] + d0 +  0);
+                    __m256 a1 = _mm256_loadu_ps(st.acc[g] + d0 +  8);
+                    __m256 a2 = _mm256_loadu_ps(st.acc[g] + d0 + 16);
+                    __m256 a3 = _mm256_loadu_ps(st.acc[g] + d0 + 24);
+                    for (int i = 0; i < n_live; ++i) {
+                        const __m256  w  = _mm256_set1_ps(sc[g][live[i]]);
+                        const float * vr = vt[i] + d0;
+                        a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr +  0), a0);
+                        a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr +  8), a1);
+                        a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
+                        a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+                    }
+                    _mm256_storeu_ps(st.acc[g] + d0 +  0, a0);
+                    _mm256_storeu_ps(st.acc[g] + d0 +  8, a1);
+                    _mm256_storeu_ps(st.acc[g] + d0 + 16, a2);
+                    _mm256_storeu_ps(st.acc[g] + d0 + 24, a3);
+                }
+            }
+            continue;
+        }
+#endif
+        for (int64_t g = 0; g < gn; ++g) {
+            for (int i = 0; i < n_live; ++i) {
+                mad_f32(st.acc[g], vt[i], sc[g][live[i]], DV, ref);
+            }
+        }
+    }
+}
+
+// Global keys [c0, c1) of both sources for query heads h0 .. h0 + gn - 1 (of KV head hk) of
+// stream s; writes a partial per head (part_stride apart) or, without one, the output rows.
+void dec_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, int64_t c0, int64_t c1,
+              float * part, int64_t part_stride) {
+    const bool ref = a.ref;
+    const bool need_q8 = is_kvc(a.k[0].type) || is_kvc(a.k[1].type);
+
+    block_q8_0          qy[KVC_DEC_GROUP][KVC_DEC_MAX_D / QK8_0];
+    const float *       qf[KVC_DEC_GROUP] = {};
+    const ggml_fp16_t * mp[KVC_DEC_GROUP] = {};
+    float               slopes[KVC_DEC_GROUP];
+    dec_state           st;
+
+    for (int64_t g = 0; g < gn; ++g) {
+        const int64_t h = h0 + g;
+        qf[g] = a.q_row(0, h, s);
+        if (need_q8) {
+            if (ref) {
+                quantize_row_q8_0_ref(qf[g], qy[g], a.DK);
+            } else {
+                quantize_row_q8_0(qf[g], qy[g], a.DK);
+            }
+        }
+        mp[g]     = a.mask_row(0, h, s);
+        slopes[g] = a.slope(h);
+        st.M[g]   = -INFINITY;
+        st.S[g]   = 0.0f;
+        memset(st.acc[g], 0, a.DV * sizeof(float));
+    }
+
+    const int64_t n_main = a.k[0].n;
+    if (c0 < n_main) {
+        dec_range(a, 0, 0, c0, std::min(c1, n_main), s, hk, gn, qy, qf, mp, slopes, st);
+    }
+    if (c1 > n_main) {
+        dec_range(a, 1, n_main, std::max(c0, n_main) - n_main, c1 - n_main, s, hk, gn, qy, qf, mp, slopes, st);
+    }
+
+    for (int64_t g = 0; g < gn; ++g) {
+        const int64_t h = h0 + g;
+        if (a.sinks && c0 == 0) {
+            add_sink(((const float *) a.sinks->data)[h], st.M[g], st.S[g], st.acc[g], a.DV, ref);
+        }
+        if (part) {
+            float * p = part + (s * a.n_head + h) * part_stride;
+            p[0] = st.M[g];
+            p[1] = st.S[g];
+            memcpy(p + 2, st.acc[g], a.DV * sizeof(float));
+        } else {
+            const float inv = st.S[g] == 0.0f ? 0.0f : 1.0f / st.S[g];
+            float * out = a.out_row(0, h, s);
+            for (int64_t i = 0; i < a.DV; ++i) {
+                out[i] = st.acc[g][i] * inv;
+            }
+        }
+    }
+}
+
+void fa_decode(const ggml_compute_params * params, const fa_node & a) {
+    const int ith = params->ith;
+    const int nth = params->nth;
+
+    const int64_t n_hg    = (a.G + KVC_DEC_GROUP - 1) / KVC_DEC_GROUP;
+    const int64_t gh      = (a.G + n_hg - 1) / n_hg;
+    const int64_t n_units = a.n_stream * a.n_head_kv * n_hg;
+
+    // Key ranges per unit: just enough that every thread gets the same number of items, while a
+    // range keeps some keys and the partials fit the plan's scratch.
+    const int64_t part_size = 2 + a.DV;
+    const int64_t max_parts = (int64_t) (params->wsize / sizeof(float)) / (a.n_stream * a.n_head * part_size);
+    int64_t n_chunks = nth / std::gcd((int64_t) nth, n_units);
+    n_chunks = std::min(n_chunks, std::max<int64_t>(1, a.n_keys / KVC_DEC_MIN_KEYS));
+    n_chunks = std::max<int64_t>(1, std::min(n_chunks, max_parts));
+
+    float * parts = n_chunks > 1 ? (float *) params->wdata : nullptr;
+    const int64_t n_items = n_units * n_chunks;
+    for (int64_t i = ith; i < n_items; i += nth) {
+        const int64_t unit  = i % n_units;
+        const int64_t chunk = i / n_units;
+        const int64_t hg = unit % n_hg;
+        const int64_t hk = (unit / n_hg) % a.n_head_kv;
+        const int64_t s  = unit / (n_hg * a.n_head_kv);
+        const int64_t h0 = hk * a.G + hg * gh;
+        const int64_t gn = std::min(gh, a.G - hg * gh);
+        const int64_t c0 = a.n_keys * chunk / n_chunks;
+        const int64_t c1 = a.n_keys * (chunk + 1) / n_chunks;
+        dec_item(a, s, hk, h0, gn, c0, c1, parts ? parts + chunk * part_size : nullptr, n_chunks * part_size);
+    }
+    if (!parts) {
+        return;
+    }
+
+    ggml_barrier(params->threadpool);
+
+    float acc[KVC_DEC_MAX_D];
+    for (int64_t r = ith; r < a.n_stream * a.n_head; r += nth) {
+        float M = -INFINITY, S = 0.0f;
+        memset(acc, 0, a.DV * sizeof(float));
+        for (int64_t c = 0; c < n_chunks; ++c) {
+            const float * p = parts + (r * n_chunks + c) * part_size;
+            if (p[1] == 0.0f) {
+                continue;
+            }
+            const float Mn = std::max(M, p[0]);
+            const float so = expf(M - Mn);
+            const float sn = expf(p[0] - Mn);
+            for (int64_t i = 0; i < a.DV; ++i) {
+                acc[i] = acc[i] * so + p[2 + i] * sn;
+            }
+            S = S * so + p[1] * sn;
+            M = Mn;
+        }
+        const float inv = S == 0.0f ? 0.0f : 1.0f / S;
+        float * out = a.out_row(0, r % a.n_head, r / a.n_head);
+        for (int64_t i = 0; i < a.DV; ++i) {
+            out[i] = acc[i] * inv;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// prompt
+
+size_t prompt_scratch_floats(int64_t DK, int64_t DV) {
+    return KVC_FA_TILE_Q * DK + 2 * KVC_FA_TILE_Q * KVC_FA_TILE_KV + KVC_FA_TILE_Q * DV + KVC_FA_TILE_KV * DV +
+           KVC_FA_TILE_KV * DK + KVC_FA_PAD;
+}
+
+// Query tokens [t0, t1) x query heads h0 .. h0 + gn - 1 of KV head hk in stream s, as the rows
+// r = (t - t0) * gn + g of one tile; scratch: this thread's part of the plan's buffer.
+void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, int64_t t0, int64_t t1, float * scratch) {
+    const bool    ref = a.ref;
+    const int64_t DK = a.DK, DV = a.DV;
+    const int64_t TQ = KVC_FA_TILE_Q, TK = KVC_FA_TILE_KV;
+    const int     R  = (int) ((t1 - t0) * gn);
+
+    float * Qt  = scratch;           // [R][DK]
+    float * KQ  = Qt + TQ * DK;      // [R][TK] scores, then probabilities
+    float * MK  = KQ + TQ * TK;      // [R][TK] mask times slope
+    float * VKQ = MK + TQ * TK;      // [R][DV]
+    float * V32 = VKQ + TQ * DV;     // [TK][DV]
+    float * K32 = V32 + TK * DV;     // [DK][TK], the tile transposed
+
+    float M[KVC_FA_TILE_Q], S[KVC_FA_TILE_Q], slope[KVC_FA_TILE_Q];
+    const ggml_fp16_t * mp[KVC_FA_TILE_Q];
+    for (int r = 0; r < R; ++r) {
+        const int64_t t = t0 + r / gn;
+        const int64_t h = h0 + r % gn;
+        memcpy(Qt + r * DK, a.q_row(t, h, s), DK * sizeof(float));
+        mp[r]    = a.mask_row(t, h, s);
+        slope[r] = a.slope(h);
+        M[r] = -INFINITY;
+        S[r] = 0.0f;
+    }
+    memset(VKQ, 0, (size_t) R * DV * sizeof(float));
+
+    float kt[KVC_MAX_ROW];
+    int64_t off = 0;
+    for (int is = 0; is < 2; off += a.k[is].n, ++is) {
+        const fa_src & K = a.k[is];
+        const fa_src & V = a.v[is];
+        if (K.n == 0) {
+            continue;
+        }
+        const row_to_f32_t k_to_f32 = get_row_to_f32(K.type, ref);
+        const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref);
+
+        for (int64_t j0 = 0; j0 < K.n; j0 += TK) {
+            const int nk = (int) std::min(TK, K.n - j0);
+
+            bool skip = true;
+            for (int r = 0; r < R; ++r) {
+                float * mk = MK + r * TK;
+                for (int c = 0; c < nk; ++c) {
+                    mk[c] = mp[r] ? slope[r] * GGML_CPU_FP16_TO_FP32(mp[r][off + j0 + c]) : 0.0f;
+                    skip &= mk[c] == -INFINITY;
+                }
+                for (int c = nk; c < TK; ++c) {
+                    mk[c] = -INFINITY;
+                }
+            }
+            if (skip) {
+                continue;
+            }
+
+            for (int c = 0; c < nk; ++c) {
+                k_to_f32(K.row(j0 + c, hk, s), kt, DK);
+                for (int64_t d = 0; d < DK; ++d) {
+                    K32[d * TK + c] = kt[d];
+                }
+            }
+            for (int c = nk; c < TK; ++c) {
+                for (int64_t d = 0; d < DK; ++d) {
+                    K32[d * TK + c] = 0.0f;
+                }
+            }
+            memset(KQ, 0, (size_t) R * TK * sizeof(float));
+            gemm_f32(KQ, Qt, K32, R, (int) DK, (int) TK, ref);
+
+            for (int r = 0; r < R; ++r) {
+                float * kq = KQ + r * TK;
+                const float * mk = MK + r * TK;
+                float m = -INFINITY;
+                for (int c = 0; c < TK; ++c) {
+                    kq[c] = mk[c] == -INFINITY ? -INFINITY : a.score(kq[c], mk[c]);
+                    m = std::max(m, kq[c]);
+                }
+                if (m == -INFINITY) {
+                    memset(kq, 0, TK * sizeof(float));
+                    continue;
+                }
+                if (m > M[r]) {
+                    const float ms = expf(M[r] - m);
+                    scale_f32(VKQ + r * DV, ms, DV, ref);
+                    S[r] *= ms;
+                    M[r] = m;
+                }
+                S[r] += softmax_tile(kq, (int) TK, M[r], ref);
+            }
+
+            for (int c = 0; c < nk; ++c) {
+                v_to_f32(V.row(j0 + c, hk, s), V32 + c * DV, DV);
+            }
+            if (nk < TK) {
+                memset(V32 + nk * DV, 0, (size_t) (TK - nk) * DV * sizeof(float));
+            }
+            gemm_f32(VKQ, KQ, V32, R, (int) TK, (int) DV, ref);
+        }
+    }
+
+    for (int r = 0; r < R; ++r) {
+        const int64_t t = t0 + r / gn;
+        const int64_t h = h0 + r % gn;
+        float * acc = VKQ + r * DV;
+        if (a.sinks) {
+            add_sink(((const float *) a.sinks->data)[h], M[r], S[r], acc, DV, ref);
+        }
+        const float inv = S[r] == 0.0f ? 0.0f : 1.0f / S[r];
+        float * out = a.out_row(t, h, s);
+        for (int64_t i = 0; i < DV; ++i) {
+            out[i] = acc[i] * inv;
+        }
+    }
+}
+
+void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
+    const int ith = params->ith;
+    const int nth = params->nth;
+
+    const size_t per_thread = prompt_scratch_floats(a.DK, a.DV);
+    GGML_ASSERT(params->wsize >= per_thread * nth * sizeof(float) && "kvcomp: flash attention scratch too small");
+    float * scratch = (float *) params->wdata + per_thread * ith;
+
+    const int64_t n_hg    = (a.G + KVC_FA_TILE_Q - 1) / KVC_FA_TILE_Q;
+    const int64_t gh      = (a.G + n_hg - 1) / n_hg;
+    const int64_t qb      = std::max<int64_t>(1, KVC_FA_TILE_Q / gh);
+    const int64_t n_qb    = (a.n_q + qb - 1) / qb;
+    const int64_t n_units = a.n_stream * a.n_head_kv * n_hg;
+    const int64_t n_items = n_units * n_qb;
+
+    if (ith == 0) {
+        ggml_threadpool_chunk_set(params->threadpool, nth);
+    }
+    ggml_barrier(params->threadpool);
+
+    // the last query blocks see the most keys of a causal prompt: they go first
+    for (int64_t i = ith; i < n_items; i = ggml_threadpool_chunk_add(params->threadpool, 1)) {
+        const int64_t unit = i % n_units;
+        const int64_t b    = n_qb - 1 - i / n_units;
+        const int64_t hg = unit % n_hg;
+        const int64_t hk = (unit / n_hg) % a.n_head_kv;
+        const int64_t s  = unit / (n_hg * a.n_head_kv);
+        const int64_t h0 = hk * a.G + hg * gh;
+        const int64_t gn = std::min(gh, a.G - hg * gh);
+        prompt_item(a, s, hk, h0, gn, b * qb, std::min(a.n_q, (b + 1) * qb), scratch);
+    }
+}
+
+bool readable(ggml_type t) {
+    return t == GGML_TYPE_F32 || ggml_get_type_traits(t)->to_float != nullptr;
+}
+
+} // namespace
+
+bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const ggml_tensor * q  = dst->src[0];
+    const ggml_tensor * k  = dst->src[1];
+    const ggml_tensor * v  = dst->src[2];
+    const ggml_tensor * ke = dst->src[GGML_KVCOMP_FA_SRC_K_EXACT];
+    const ggml_tensor * ve = dst->src[GGML_KVCOMP_FA_SRC_V_EXACT];
+
+    if (!ke && !is_kvc(k->type) && !is_kvc(v->type)) {
+        return false;
+    }
+    const bool fits = q->type == GGML_TYPE_F32 && readable(k->type) && readable(v->type) &&
+                      k->ne[0] <= KVC_MAX_ROW && k->ne[0] % QK_KVC == 0 && q->ne[2] % k->ne[2] == 0 &&
+                      k->ne[2] == v->ne[2] && q->ne[3] % k->ne[3] == 0 && q->ne[3] % v->ne[3] == 0;
+    if (!fits) {
+        GGML_ASSERT(!ke && "kvcomp: two-source attention needs F32 queries, readable K/V and head sizes that are multiples of 32 up to 1024");
+        return false;
+    }
+
+    fa_node a;
+    a.q     = q;
+    a.mask  = dst->src[3];
+    a.sinks = dst->src[4];
+    a.dst   = dst;
+    a.n_stream  = q->ne[3];
+    a.k[0] = make_src(k, a.n_stream);
+    a.v[0] = make_src(v, a.n_stream);
+    a.k[1] = make_src(ke, a.n_stream);
+    a.v[1] = make_src(ve, a.n_stream);
+    a.DK = k->ne[0];
+    a.DV = v->ne[0];
+    a.n_q = q->ne[1];
+    a.n_head = q->ne[2];
+    a.n_head_kv = k->ne[2];
+    a.G = a.n_head / a.n_head_kv;
+    a.n_keys = a.k[0].n + a.k[1].n;
+    a.ref = params->use_ref;
+    if (a.mask) {
+        GGML_ASSERT(a.mask->ne[0] == a.n_keys && "kvcomp: the mask must have one column per key of both sources");
+    }
+
+    memcpy(&a.scale,    (const float *) dst->op_params + 0, sizeof(float));
+    memcpy(&a.max_bias, (const float *) dst->op_params + 1, sizeof(float));
+    memcpy(&a.softcap,  (const float *) dst->op_params + 2, sizeof(float));
+    if (a.softcap != 0.0f) {
+        a.scale /= a.softcap;
+    }
+    a.n_head_log2 = 1u << (uint32_t) floor(log2((double) a.n_head));
+    a.m0 = powf(2.0f, -(a.max_bias       ) / a.n_head_log2);
+    a.m1 = powf(2.0f, -(a.max_bias / 2.0f) / a.n_head_log2);
+
+    if (a.n_q == 1 && a.DK <= KVC_DEC_MAX_D && a.DV <= KVC_DEC_MAX_D) {
+        fa_decode(params, a);
+    } else {
+        fa_prompt(params, a);
+    }
+    return true;
+}

@@ -1,0 +1,115 @@
+#pragma once
+
+// AVX2 building blocks of the kvc CPU kernels, shared by the dot products (kvc-cpu.c) and the
+// attention kernels (kvc-fattn.cpp). Internal to the CPU backend.
+
+#include "kvc-common.h"
+#include "ggml-cpu-impl.h"
+#include "simd-mappings.h"
+
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVC_AVX2 1
+#endif
+
+#if defined(KVC_AVX2)
+
+static inline float kvc_hsum_f32_8(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+// Signed int8 x int8 products summed in groups of four: lanes 0-3 cover values 0..15,
+// lanes 4-7 values 16..31. The levels are within +-127 so maddubs cannot saturate.
+static inline __m256i kvc_dot_i8_groups(__m256i x, __m256i y) {
+    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+static inline __m256 kvc_sub_scales(float d0, float d1, float dy) {
+    return _mm256_set_m128(_mm_set1_ps(d1 * dy), _mm_set1_ps(d0 * dy));
+}
+
+// Two-bit fields of 8 bytes spread to 32 bytes: byte 8*g + j = (q[j] >> 2*g) & 3.
+static inline __m256i kvc_unpack2_avx2(const uint8_t * q) {
+    uint64_t u;
+    memcpy(&u, q, sizeof(u));
+    const __m256i v = _mm256_srlv_epi64(_mm256_set1_epi64x((long long) u), _mm256_set_epi64x(6, 4, 2, 0));
+    return _mm256_and_si256(v, _mm256_set1_epi8(3));
+}
+
+// Bit i of 32 bits spread to byte i as 0 or 4.
+static inline __m256i kvc_unpack_bit2_avx2(const uint8_t * q) {
+    uint32_t u;
+    memcpy(&u, q, sizeof(u));
+    const __m256i idx  = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    const __m256i bits = _mm256_set1_epi64x((long long) 0x8040201008040201ULL);
+    const __m256i b    = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int) u), idx), bits);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(b, bits), _mm256_set1_epi8(4));
+}
+
+static inline __m256i kvc_lut_avx2(const int8_t * levels, int n) {
+    if (n == 16) {
+        return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) levels));
+    }
+    int8_t t[16] = { 0 };
+    memcpy(t, levels, n);
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) t));
+}
+
+// Level indices of one block, byte i = code of value i.
+static inline __m256i kvc4_codes_avx2(const block_kvc4 * b) {
+    const __m128i q  = _mm_loadu_si128((const __m128i *) b->qs);
+    const __m128i m4 = _mm_set1_epi8(0xf);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+
+static inline __m256i kvc3_codes_avx2(const block_kvc3 * b) {
+    return _mm256_or_si256(kvc_unpack2_avx2(b->ql), kvc_unpack_bit2_avx2(b->qh));
+}
+
+static inline __m256i kvc2_codes_avx2(const block_kvc2 * b) {
+    return kvc_unpack2_avx2(b->qs);
+}
+
+// One K row decoded for several dot products: per block, the int8 levels and the two
+// sub-block steps laid out as kvc_dot_i8_groups' lanes.
+typedef void (*kvc_row_levels_t)(const void * GGML_RESTRICT row, int64_t n_blocks, __m256i * lv, __m256 * d);
+
+#define KVC_ROW_LEVELS_AVX2(name, n_levels)                                                           \
+static inline void kvc_row_levels_##name(const void * GGML_RESTRICT row, int64_t n_blocks, __m256i * lv, __m256 * d) { \
+    const block_##name * GGML_RESTRICT x = (const block_##name *) row;                                \
+    const __m256i lut = kvc_lut_avx2(kvalues_##name, n_levels);                                       \
+    for (int64_t ib = 0; ib < n_blocks; ++ib) {                                                       \
+        lv[ib] = _mm256_shuffle_epi8(lut, name##_codes_avx2(&x[ib]));                                 \
+        d[ib]  = kvc_sub_scales(kvc_e8_to_fp32(x[ib].e[0]), kvc_e8_to_fp32(x[ib].e[1]), 1.0f);        \
+    }                                                                                                 \
+}
+
+KVC_ROW_LEVELS_AVX2(kvc4, 16)
+KVC_ROW_LEVELS_AVX2(kvc3, 8)
+KVC_ROW_LEVELS_AVX2(kvc2, 4)
+
+static inline void kvc_row_levels_kvc8(const void * GGML_RESTRICT row, int64_t n_blocks, __m256i * lv, __m256 * d) {
+    const block_kvc8 * GGML_RESTRICT x = (const block_kvc8 *) row;
+    for (int64_t ib = 0; ib < n_blocks; ++ib) {
+        lv[ib] = _mm256_loadu_si256((const __m256i *) x[ib].qs);
+        d[ib]  = _mm256_set1_ps(GGML_CPU_FP16_TO_FP32(x[ib].d));
+    }
+}
+
+static inline kvc_row_levels_t kvc_get_row_levels(enum ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_KVC8: return kvc_row_levels_kvc8;
+        case GGML_TYPE_KVC4: return kvc_row_levels_kvc4;
+        case GGML_TYPE_KVC3: return kvc_row_levels_kvc3;
+        case GGML_TYPE_KVC2: return kvc_row_levels_kvc2;
+        default:             return NULL;
+    }
+}
+
+#endif
