@@ -19,8 +19,8 @@ GGML_API enum ggml_type ggml_kvcomp_type_from_name(const char * name);
 // Two-source attention. A FLASH_ATTN_EXT node may read a second K/V pair beside its main one
 // (the residual buffer's exact F16 rows beside the quantized cells), under one online softmax:
 // key j < k->ne[1] is main cell j, key k->ne[1] + i is exact row i, and the mask has a column
-// for each (mask->ne[0] == k->ne[1] + k_exact->ne[1]). The exact pair has the main pair's
-// head size, KV heads and streams, and shares its permutation. Set like the sinks, in these
+// for each (mask->ne[0] >= k->ne[1] + k_exact->ne[1]; a worst-case graph may have more). The
+// exact pair has the main pair's head size, KV heads and streams, and shares its permutation. Set like the sinks, in these
 // sources of the node:
 #define GGML_KVCOMP_FA_SRC_K_EXACT 5
 #define GGML_KVCOMP_FA_SRC_V_EXACT 6

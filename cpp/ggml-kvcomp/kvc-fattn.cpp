@@ -6,7 +6,8 @@
 // Two kernels, each with a scalar reference (params->use_ref) that the SIMD path is held to
 // (cpp/tests/test-kvc-ops.cpp):
 //  - decode (one query token per stream): a work item is (stream, KV head, key range); the
-//    query heads of the KV head are done together so each packed K and V row is decoded once,
+//    query heads of the KV head are done together so each packed K and V row is decoded once
+//    (to F32, dotted with the F32 queries as the prompt kernel does),
 //    and the keys of both sources are split over the threads, each range written as a partial
 //    (running maximum, sum, unnormalized output) and the ranges combined in order;
 //  - prompt (several query tokens): a work item is (stream, KV head, block of query tokens);
@@ -17,9 +18,7 @@
 #include "kvc-simd.h"
 #include "ggml-kvcomp.h"
 #include "ggml-cpu.h"
-#include "ggml-quants.h"
 #include "common.h"
-#include "quants.h"
 #include "simd-gemm.h"
 #include "vec.h"
 
@@ -63,16 +62,6 @@ row_to_f32_t get_row_to_f32(ggml_type t, bool ref) {
     return t == GGML_TYPE_F16 ? row_f16_simd : ggml_kvc_cpu_get_to_float(t);
 }
 
-ggml_vec_dot_t get_kvc_dot_ref(ggml_type t) {
-    switch (t) {
-        case GGML_TYPE_KVC8: return ggml_vec_dot_kvc8_q8_0_generic;
-        case GGML_TYPE_KVC4: return ggml_vec_dot_kvc4_q8_0_generic;
-        case GGML_TYPE_KVC3: return ggml_vec_dot_kvc3_q8_0_generic;
-        case GGML_TYPE_KVC2: return ggml_vec_dot_kvc2_q8_0_generic;
-        default:             return nullptr;
-    }
-}
-
 float dot_f32(const float * a, const float * b, int64_t n, bool ref) {
     if (ref) {
         float s = 0.0f;
@@ -107,17 +96,22 @@ void scale_f32(float * y, float s, int64_t n, bool ref) {
     ggml_vec_scale_f32((int) n, y, s);
 }
 
-// p[j] = exp(x[j] - m) in place; returns the sum (exp(-inf) = 0)
+// p[j] = exp(x[j] - m) in place; returns their sum (exp(-inf) = 0), added in index order: a
+// masked key adds an exact zero, so where in a tile the visible keys sit does not change the
+// sum, and a query sees its keys the same whatever ubatch (and so mask layout) it came in.
 float softmax_tile(float * x, int n, float m, bool ref) {
     if (ref) {
-        double sum = 0.0;
         for (int j = 0; j < n; ++j) {
             x[j] = x[j] == -INFINITY ? 0.0f : expf(x[j] - m);
-            sum += x[j];
         }
-        return (float) sum;
+    } else {
+        ggml_vec_soft_max_f32(n, x, x, m);
     }
-    return (float) ggml_vec_soft_max_f32(n, x, x, m);
+    float sum = 0.0f;
+    for (int j = 0; j < n; ++j) {
+        sum += x[j];
+    }
+    return sum;
 }
 
 // C[M x N] += A[M x K] * B[K x N]
@@ -231,34 +225,16 @@ struct dec_state {
 };
 
 // Keys [j0, j1) of source `is` (local indices; mask column off + j) for the gn query heads
-// (qy, qf, mp, slopes) of KV head hk in stream s.
+// (qf, mp, slopes) of KV head hk in stream s.
 void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, int64_t s, int64_t hk, int64_t gn,
-               const block_q8_0 (*qy)[KVC_DEC_MAX_D / QK8_0], const float * const * qf, const ggml_fp16_t * const * mp,
-               const float * slopes, dec_state & st) {
+               const float * const * qf, const ggml_fp16_t * const * mp, const float * slopes, dec_state & st) {
     const fa_src & K = a.k[is];
     const fa_src & V = a.v[is];
     const bool ref = a.ref;
-    const bool k_kvc = is_kvc(K.type);
-    const ggml_vec_dot_t k_dot_ref = get_kvc_dot_ref(K.type);
-    const row_to_f32_t   k_to_f32  = get_row_to_f32(K.type, ref);
-    const row_to_f32_t   v_to_f32  = get_row_to_f32(V.type, ref);
+    const row_to_f32_t k_to_f32 = get_row_to_f32(K.type, ref);
+    const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref);
     const int64_t DK = a.DK, DV = a.DV;
     const bool shared_mask = !a.mask || (a.mask->ne[2] == 1 && a.max_bias <= 0.0f);
-
-#if defined(KVC_AVX2)
-    const kvc_row_levels_t k_levels = k_kvc && !ref ? kvc_get_row_levels(K.type) : nullptr;
-    const int64_t nbk = DK / QK_KVC;
-    __m256i lv[KVC_DEC_MAX_D / QK_KVC];
-    __m256  kd[KVC_DEC_MAX_D / QK_KVC];
-    float   qd[KVC_DEC_GROUP][KVC_DEC_MAX_D / QK8_0];
-    if (k_levels) {
-        for (int64_t g = 0; g < gn; ++g) {
-            for (int64_t ib = 0; ib < nbk; ++ib) {
-                qd[g][ib] = GGML_CPU_FP16_TO_FP32(qy[g][ib].d);
-            }
-        }
-    }
-#endif
 
     float sc[KVC_DEC_GROUP][KVC_DEC_TILE];
     float kt[KVC_DEC_MAX_D];
@@ -278,35 +254,9 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
             if (!any) {
                 continue;
             }
-            const char * kr = K.row(t0 + j, hk, s);
-#if defined(KVC_AVX2)
-            if (k_levels) {
-                k_levels(kr, nbk, lv, kd);
-                for (int64_t g = 0; g < gn; ++g) {
-                    if (sc[g][j] == -INFINITY) {
-                        continue;
-                    }
-                    __m256 acc = _mm256_setzero_ps();
-                    for (int64_t ib = 0; ib < nbk; ++ib) {
-                        const __m256i p = kvc_dot_i8_groups(lv[ib], _mm256_loadu_si256((const __m256i *) qy[g][ib].qs));
-                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(kd[ib], _mm256_set1_ps(qd[g][ib])), acc);
-                    }
-                    sc[g][j] = a.score(kvc_hsum_f32_8(acc), sc[g][j]);
-                }
-                continue;
-            }
-#endif
-            if (k_kvc) {
-                for (int64_t g = 0; g < gn; ++g) {
-                    if (sc[g][j] != -INFINITY) {
-                        float d;
-                        k_dot_ref((int) DK, &d, 0, kr, 0, qy[g], 0, 1);
-                        sc[g][j] = a.score(d, sc[g][j]);
-                    }
-                }
-                continue;
-            }
-            k_to_f32(kr, kt, DK);
+            // decoded once for all heads, and dotted in F32 as the prompt kernel does, so a
+            // token decoded alone scores its keys as it would inside a prompt
+            k_to_f32(K.row(t0 + j, hk, s), kt, DK);
             for (int64_t g = 0; g < gn; ++g) {
                 if (sc[g][j] != -INFINITY) {
                     sc[g][j] = a.score(dot_f32(kt, qf[g], DK, ref), sc[g][j]);
@@ -383,24 +333,15 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
 void dec_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, int64_t c0, int64_t c1,
               float * part, int64_t part_stride) {
     const bool ref = a.ref;
-    const bool need_q8 = is_kvc(a.k[0].type) || is_kvc(a.k[1].type);
 
-    block_q8_0          qy[KVC_DEC_GROUP][KVC_DEC_MAX_D / QK8_0];
     const float *       qf[KVC_DEC_GROUP] = {};
     const ggml_fp16_t * mp[KVC_DEC_GROUP] = {};
-    float               slopes[KVC_DEC_GROUP];
+    float               slopes[KVC_DEC_GROUP] = {};
     dec_state           st;
 
     for (int64_t g = 0; g < gn; ++g) {
         const int64_t h = h0 + g;
         qf[g] = a.q_row(0, h, s);
-        if (need_q8) {
-            if (ref) {
-                quantize_row_q8_0_ref(qf[g], qy[g], a.DK);
-            } else {
-                quantize_row_q8_0(qf[g], qy[g], a.DK);
-            }
-        }
         mp[g]     = a.mask_row(0, h, s);
         slopes[g] = a.slope(h);
         st.M[g]   = -INFINITY;
@@ -410,10 +351,10 @@ void dec_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, 
 
     const int64_t n_main = a.k[0].n;
     if (c0 < n_main) {
-        dec_range(a, 0, 0, c0, std::min(c1, n_main), s, hk, gn, qy, qf, mp, slopes, st);
+        dec_range(a, 0, 0, c0, std::min(c1, n_main), s, hk, gn, qf, mp, slopes, st);
     }
     if (c1 > n_main) {
-        dec_range(a, 1, n_main, std::max(c0, n_main) - n_main, c1 - n_main, s, hk, gn, qy, qf, mp, slopes, st);
+        dec_range(a, 1, n_main, std::max(c0, n_main) - n_main, c1 - n_main, s, hk, gn, qf, mp, slopes, st);
     }
 
     for (int64_t g = 0; g < gn; ++g) {
@@ -699,7 +640,7 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
     a.n_keys = a.k[0].n + a.k[1].n;
     a.ref = params->use_ref;
     if (a.mask) {
-        GGML_ASSERT(a.mask->ne[0] == a.n_keys && "kvcomp: the mask must have one column per key of both sources");
+        GGML_ASSERT(a.mask->ne[0] >= a.n_keys && "kvcomp: the mask must have a column for every key of both sources");
     }
 
     memcpy(&a.scale,    (const float *) dst->op_params + 0, sizeof(float));

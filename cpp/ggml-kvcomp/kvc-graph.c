@@ -20,7 +20,7 @@ void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_tensor * 
     GGML_ASSERT(v_exact->ne[0] == v->ne[0] && v_exact->ne[2] == v->ne[2] && v_exact->ne[3] == v->ne[3]);
     GGML_ASSERT(k_exact->ne[1] == v_exact->ne[1]);
     GGML_ASSERT(k_exact->nb[0] == ggml_type_size(GGML_TYPE_F16) && v_exact->nb[0] == ggml_type_size(GGML_TYPE_F16));
-    GGML_ASSERT(mask && mask->ne[0] == k->ne[1] + k_exact->ne[1] && "the mask covers both sources");
+    GGML_ASSERT(mask && mask->ne[0] >= k->ne[1] + k_exact->ne[1] && "the mask covers both sources");
     a->src[GGML_KVCOMP_FA_SRC_K_EXACT] = k_exact;
     a->src[GGML_KVCOMP_FA_SRC_V_EXACT] = v_exact;
 }

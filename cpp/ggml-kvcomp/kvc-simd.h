@@ -1,7 +1,7 @@
 #pragma once
 
-// AVX2 building blocks of the kvc CPU kernels, shared by the dot products (kvc-cpu.c) and the
-// attention kernels (kvc-fattn.cpp). Internal to the CPU backend.
+// AVX2 building blocks of the kvc CPU kernels (kvc-cpu.c); KVC_AVX2 also tells the attention
+// kernels (kvc-fattn.cpp) whether they have AVX2. Internal to the CPU backend.
 
 #include "kvc-common.h"
 #include "ggml-cpu-impl.h"
@@ -74,42 +74,6 @@ static inline __m256i kvc3_codes_avx2(const block_kvc3 * b) {
 
 static inline __m256i kvc2_codes_avx2(const block_kvc2 * b) {
     return kvc_unpack2_avx2(b->qs);
-}
-
-// One K row decoded for several dot products: per block, the int8 levels and the two
-// sub-block steps laid out as kvc_dot_i8_groups' lanes.
-typedef void (*kvc_row_levels_t)(const void * GGML_RESTRICT row, int64_t n_blocks, __m256i * lv, __m256 * d);
-
-#define KVC_ROW_LEVELS_AVX2(name, n_levels)                                                           \
-static inline void kvc_row_levels_##name(const void * GGML_RESTRICT row, int64_t n_blocks, __m256i * lv, __m256 * d) { \
-    const block_##name * GGML_RESTRICT x = (const block_##name *) row;                                \
-    const __m256i lut = kvc_lut_avx2(kvalues_##name, n_levels);                                       \
-    for (int64_t ib = 0; ib < n_blocks; ++ib) {                                                       \
-        lv[ib] = _mm256_shuffle_epi8(lut, name##_codes_avx2(&x[ib]));                                 \
-        d[ib]  = kvc_sub_scales(kvc_e8_to_fp32(x[ib].e[0]), kvc_e8_to_fp32(x[ib].e[1]), 1.0f);        \
-    }                                                                                                 \
-}
-
-KVC_ROW_LEVELS_AVX2(kvc4, 16)
-KVC_ROW_LEVELS_AVX2(kvc3, 8)
-KVC_ROW_LEVELS_AVX2(kvc2, 4)
-
-static inline void kvc_row_levels_kvc8(const void * GGML_RESTRICT row, int64_t n_blocks, __m256i * lv, __m256 * d) {
-    const block_kvc8 * GGML_RESTRICT x = (const block_kvc8 *) row;
-    for (int64_t ib = 0; ib < n_blocks; ++ib) {
-        lv[ib] = _mm256_loadu_si256((const __m256i *) x[ib].qs);
-        d[ib]  = _mm256_set1_ps(GGML_CPU_FP16_TO_FP32(x[ib].d));
-    }
-}
-
-static inline kvc_row_levels_t kvc_get_row_levels(enum ggml_type type) {
-    switch (type) {
-        case GGML_TYPE_KVC8: return kvc_row_levels_kvc8;
-        case GGML_TYPE_KVC4: return kvc_row_levels_kvc4;
-        case GGML_TYPE_KVC3: return kvc_row_levels_kvc3;
-        case GGML_TYPE_KVC2: return kvc_row_levels_kvc2;
-        default:             return NULL;
-    }
 }
 
 #endif
