@@ -16,16 +16,20 @@ extern "C" {
 // Returns GGML_TYPE_COUNT when the name is not a kvc type.
 GGML_API enum ggml_type ggml_kvcomp_type_from_name(const char * name);
 
-// Two-source attention. A FLASH_ATTN_EXT node may read a second K/V pair beside its main one
-// (the residual buffer's exact F16 rows beside the quantized cells), under one online softmax:
-// key j < k->ne[1] is main cell j, key k->ne[1] + i is exact row i, and the mask has a column
-// for each (mask->ne[0] >= k->ne[1] + k_exact->ne[1]; a worst-case graph may have more). The
-// exact pair has the main pair's head size, KV heads and streams, and shares its permutation. Set like the sinks, in these
-// sources of the node:
-#define GGML_KVCOMP_FA_SRC_K_EXACT 5
-#define GGML_KVCOMP_FA_SRC_V_EXACT 6
+// Two-source attention. A FLASH_ATTN_EXT node may read exact F16 rows beside its main K/V
+// (the residual buffer's rows beside the quantized cells) under one online softmax and one
+// mask. The exact rows come in two parts, read where they lie: the buffer's slots and the
+// current ubatch's own rows (optional). Keys are numbered main cells first, then slots, then
+// ubatch rows, and the mask has a column for each (mask->ne[0] >= their sum; a worst-case
+// graph may have more). Each part has the main pair's head size, KV heads and streams and
+// shares its permutation. Set like the sinks, in these sources of the node:
+#define GGML_KVCOMP_FA_SRC_K_EXACT  5
+#define GGML_KVCOMP_FA_SRC_V_EXACT  6
+#define GGML_KVCOMP_FA_SRC_K_UBATCH 7
+#define GGML_KVCOMP_FA_SRC_V_UBATCH 8
 
-GGML_API void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_tensor * k_exact, struct ggml_tensor * v_exact);
+GGML_API void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_tensor * k_exact, struct ggml_tensor * v_exact,
+                                            struct ggml_tensor * k_ubatch, struct ggml_tensor * v_ubatch);
 
 // Whether a FLASH_ATTN_EXT node reads a second source (above).
 GGML_API bool ggml_flash_attn_ext_has_exact(const struct ggml_tensor * a);

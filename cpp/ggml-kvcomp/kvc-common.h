@@ -85,6 +85,49 @@ static inline float kvc_e8_to_fp32(uint8_t e) {
     return e ? frac[e & 7] * p.f : 0.0f;
 }
 
+// A low-bit type's levels and the decision thresholds between neighbours.
+typedef struct {
+    const int8_t * levels;
+    int            n;
+    float          mid[15];   // decision thresholds between neighbouring levels
+    int            zero_code; // code of the level with the smallest magnitude
+} kvc_codebook;
+
+// Index of the level nearest to v (ties go down). A branch-free count of the thresholds
+// below v measured faster here than a binary search or a cell table.
+static inline int kvc_nearest(const kvc_codebook * cb, float v) {
+    int c = 0;
+    for (int i = 0; i + 1 < cb->n; ++i) {
+        c += v > cb->mid[i];
+    }
+    return c;
+}
+
+// The step search of a sub-block: err[c] = sum over the n values v of (v - d[c] * level)^2,
+// level the one nearest to v * id[c], products and sums rounded one at a time in value order.
+// The quantizers differ only in this function (scalar reference, SIMD), so they write the
+// same bytes.
+// Marks a function whose float products and sums must not be fused (before it, and first in
+// its body): a compiler targeting FMA would otherwise round them once instead of twice.
+#if defined(__clang__)
+#define KVC_NO_FP_CONTRACT
+#define KVC_NO_FP_CONTRACT_BODY _Pragma("clang fp contract(off)")
+#elif defined(__GNUC__)
+#define KVC_NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define KVC_NO_FP_CONTRACT_BODY
+#else
+#define KVC_NO_FP_CONTRACT
+#define KVC_NO_FP_CONTRACT_BODY
+#endif
+
+typedef void (*kvc_sub_errors_t)(const kvc_codebook * cb, const float * v, int n, const float * d, const float * id,
+                                 int n_cand, float * err);
+
+// The low-bit quantizers (kvc4, kvc3, kvc2) with the given error function (NULL: the
+// reference's); quantize_row_<t>_ref is this with NULL.
+GGML_API void kvc_quantize_row_lowbit(enum ggml_type type, const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k,
+                                      kvc_sub_errors_t errors);
+
 GGML_API void quantize_row_kvc8_ref(const float * GGML_RESTRICT x, block_kvc8 * GGML_RESTRICT y, int64_t k);
 GGML_API void quantize_row_kvc4_ref(const float * GGML_RESTRICT x, block_kvc4 * GGML_RESTRICT y, int64_t k);
 GGML_API void quantize_row_kvc3_ref(const float * GGML_RESTRICT x, block_kvc3 * GGML_RESTRICT y, int64_t k);

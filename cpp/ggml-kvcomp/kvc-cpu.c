@@ -17,16 +17,62 @@ void quantize_row_kvc8(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, in
     quantize_row_kvc8_ref(x, (block_kvc8 *) y, k);
 }
 
+#if defined(KVC_AVX2)
+// The step search with the candidate steps in the lanes: each lane finds its levels and adds
+// its squared errors in value order with the reference's roundings, so the bytes are the
+// reference's (test-kvc-quants compares them).
+KVC_NO_FP_CONTRACT
+static void kvc_sub_errors_avx2(const kvc_codebook * cb, const float * v, int n, const float * d, const float * id,
+                                int n_cand, float * err) {
+    KVC_NO_FP_CONTRACT_BODY
+    float lv[16] = { 0 };
+    for (int j = 0; j < cb->n; ++j) {
+        lv[j] = cb->levels[j];
+    }
+    const __m256 lo = _mm256_loadu_ps(lv);
+    const __m256 hi = _mm256_loadu_ps(lv + 8);
+    for (int c0 = 0; c0 < n_cand; c0 += 8) {
+        const int m = n_cand - c0 < 8 ? n_cand - c0 : 8;
+        float dd[8] = { 0 }, ii[8] = { 0 }, e[8];
+        memcpy(dd, d + c0, m * sizeof(float));
+        memcpy(ii, id + c0, m * sizeof(float));
+        const __m256 vd  = _mm256_loadu_ps(dd);
+        const __m256 vid = _mm256_loadu_ps(ii);
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < n; ++i) {
+            const __m256 vi = _mm256_set1_ps(v[i]);
+            const __m256 t  = _mm256_mul_ps(vi, vid);
+            __m256i c = _mm256_setzero_si256();
+            for (int j = 0; j + 1 < cb->n; ++j) {
+                c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(t, _mm256_set1_ps(cb->mid[j]), _CMP_GT_OQ)));
+            }
+            __m256 level = _mm256_permutevar8x32_ps(lo, c);
+            if (cb->n > 8) {
+                const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7)));
+                level = _mm256_blendv_ps(level, _mm256_permutevar8x32_ps(hi, c), upper);
+            }
+            const __m256 diff = _mm256_sub_ps(vi, _mm256_mul_ps(vd, level));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(diff, diff));
+        }
+        _mm256_storeu_ps(e, acc);
+        memcpy(err + c0, e, m * sizeof(float));
+    }
+}
+#define KVC_SUB_ERRORS kvc_sub_errors_avx2
+#else
+#define KVC_SUB_ERRORS NULL
+#endif
+
 void quantize_row_kvc4(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
-    quantize_row_kvc4_ref(x, (block_kvc4 *) y, k);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC4, x, y, k, KVC_SUB_ERRORS);
 }
 
 void quantize_row_kvc3(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
-    quantize_row_kvc3_ref(x, (block_kvc3 *) y, k);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC3, x, y, k, KVC_SUB_ERRORS);
 }
 
 void quantize_row_kvc2(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
-    quantize_row_kvc2_ref(x, (block_kvc2 *) y, k);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC2, x, y, k, KVC_SUB_ERRORS);
 }
 
 // Shared head of every vec_dot: one row pair, blocks aligned with q8_0's.

@@ -1,6 +1,6 @@
 // CPU flash attention over kvc caches and over two sources: the main cells (any cache type)
-// and the residual buffer's exact F16 rows (ggml_flash_attn_ext_add_exact), under one online
-// softmax and one mask. Nothing is copied outside per-thread scratch: a decode step reads the
+// and the residual buffer's exact F16 rows (ggml_flash_attn_ext_add_exact: its slots, then the
+// ubatch's own rows), under one online softmax and one mask. Nothing is copied outside per-thread scratch: a decode step reads the
 // packed rows where they lie, a prompt dequantizes 64-key tiles.
 //
 // Two kernels, each with a scalar reference (params->use_ref) that the SIMD path is held to
@@ -37,6 +37,7 @@ constexpr int64_t KVC_DEC_GROUP  = 16;              // decode query heads done t
 constexpr int64_t KVC_DEC_MAX_D  = 256;             // decode head size bound (stack buffers)
 constexpr int64_t KVC_MAX_ROW    = 1024;            // prompt K row bound (a stack row before the transpose)
 constexpr int64_t KVC_DEC_MIN_KEYS = 32;            // decode keys a range is worth splitting for
+constexpr int     KVC_FA_N_SRC   = 3;               // key sources of a node, one after the other
 
 bool is_kvc(ggml_type t) {
     return t >= GGML_KVCOMP_TYPE_FIRST && t <= GGML_KVCOMP_TYPE_LAST;
@@ -163,7 +164,7 @@ struct fa_node {
     const ggml_tensor * mask;
     const ggml_tensor * sinks;
     ggml_tensor *       dst;
-    fa_src   k[2], v[2]; // main cells, exact rows
+    fa_src   k[KVC_FA_N_SRC], v[KVC_FA_N_SRC]; // main cells, exact slots, exact rows of the ubatch
     int64_t  DK, DV, n_q, n_head, n_head_kv, n_stream, G, n_keys;
     float    scale, softcap, max_bias, m0, m1;
     uint32_t n_head_log2;
@@ -349,12 +350,14 @@ void dec_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, 
         memset(st.acc[g], 0, a.DV * sizeof(float));
     }
 
-    const int64_t n_main = a.k[0].n;
-    if (c0 < n_main) {
-        dec_range(a, 0, 0, c0, std::min(c1, n_main), s, hk, gn, qf, mp, slopes, st);
-    }
-    if (c1 > n_main) {
-        dec_range(a, 1, n_main, std::max(c0, n_main) - n_main, c1 - n_main, s, hk, gn, qf, mp, slopes, st);
+    // the range [c0, c1) of keys numbered across the sources
+    int64_t off = 0;
+    for (int is = 0; is < KVC_FA_N_SRC; off += a.k[is].n, ++is) {
+        const int64_t j0 = std::max(c0, off) - off;
+        const int64_t j1 = std::min(c1, off + a.k[is].n) - off;
+        if (j0 < j1) {
+            dec_range(a, is, off, j0, j1, s, hk, gn, qf, mp, slopes, st);
+        }
     }
 
     for (int64_t g = 0; g < gn; ++g) {
@@ -477,7 +480,7 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
 
     float kt[KVC_MAX_ROW];
     int64_t off = 0;
-    for (int is = 0; is < 2; off += a.k[is].n, ++is) {
+    for (int is = 0; is < KVC_FA_N_SRC; off += a.k[is].n, ++is) {
         const fa_src & K = a.k[is];
         const fa_src & V = a.v[is];
         if (K.n == 0) {
@@ -609,6 +612,8 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
     const ggml_tensor * v  = dst->src[2];
     const ggml_tensor * ke = dst->src[GGML_KVCOMP_FA_SRC_K_EXACT];
     const ggml_tensor * ve = dst->src[GGML_KVCOMP_FA_SRC_V_EXACT];
+    const ggml_tensor * kn = dst->src[GGML_KVCOMP_FA_SRC_K_UBATCH];
+    const ggml_tensor * vn = dst->src[GGML_KVCOMP_FA_SRC_V_UBATCH];
 
     if (!ke && !is_kvc(k->type) && !is_kvc(v->type)) {
         return false;
@@ -631,16 +636,18 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
     a.v[0] = make_src(v, a.n_stream);
     a.k[1] = make_src(ke, a.n_stream);
     a.v[1] = make_src(ve, a.n_stream);
+    a.k[2] = make_src(kn, a.n_stream);
+    a.v[2] = make_src(vn, a.n_stream);
     a.DK = k->ne[0];
     a.DV = v->ne[0];
     a.n_q = q->ne[1];
     a.n_head = q->ne[2];
     a.n_head_kv = k->ne[2];
     a.G = a.n_head / a.n_head_kv;
-    a.n_keys = a.k[0].n + a.k[1].n;
+    a.n_keys = a.k[0].n + a.k[1].n + a.k[2].n;
     a.ref = params->use_ref;
     if (a.mask) {
-        GGML_ASSERT(a.mask->ne[0] >= a.n_keys && "kvcomp: the mask must have a column for every key of both sources");
+        GGML_ASSERT(a.mask->ne[0] >= a.n_keys && "kvcomp: the mask must have a column for every key of every source");
     }
 
     memcpy(&a.scale,    (const float *) dst->op_params + 0, sizeof(float));

@@ -6,23 +6,35 @@
 
 #include <string.h>
 
-void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_tensor * k_exact, struct ggml_tensor * v_exact) {
+// One exact part: F16 rows with the main pair's head size, KV heads and streams.
+static void kvc_check_exact(const struct ggml_tensor * main, const struct ggml_tensor * part) {
+    GGML_ASSERT(part->type == GGML_TYPE_F16 && part->nb[0] == ggml_type_size(GGML_TYPE_F16));
+    GGML_ASSERT(part->ne[0] == main->ne[0] && part->ne[2] == main->ne[2] && part->ne[3] == main->ne[3]);
+}
+
+void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_tensor * k_exact, struct ggml_tensor * v_exact,
+                                   struct ggml_tensor * k_ubatch, struct ggml_tensor * v_ubatch) {
     GGML_ASSERT(a->op == GGML_OP_FLASH_ATTN_EXT);
-    if (!k_exact && !v_exact) {
-        return;
-    }
     const struct ggml_tensor * k    = a->src[1];
     const struct ggml_tensor * v    = a->src[2];
     const struct ggml_tensor * mask = a->src[3];
     GGML_ASSERT(k_exact && v_exact && "the exact K and V come together");
-    GGML_ASSERT(k_exact->type == GGML_TYPE_F16 && v_exact->type == GGML_TYPE_F16);
-    GGML_ASSERT(k_exact->ne[0] == k->ne[0] && k_exact->ne[2] == k->ne[2] && k_exact->ne[3] == k->ne[3]);
-    GGML_ASSERT(v_exact->ne[0] == v->ne[0] && v_exact->ne[2] == v->ne[2] && v_exact->ne[3] == v->ne[3]);
+    GGML_ASSERT(!k_ubatch == !v_ubatch && "the ubatch's K and V come together");
+    kvc_check_exact(k, k_exact);
+    kvc_check_exact(v, v_exact);
     GGML_ASSERT(k_exact->ne[1] == v_exact->ne[1]);
-    GGML_ASSERT(k_exact->nb[0] == ggml_type_size(GGML_TYPE_F16) && v_exact->nb[0] == ggml_type_size(GGML_TYPE_F16));
-    GGML_ASSERT(mask && mask->ne[0] >= k->ne[1] + k_exact->ne[1] && "the mask covers both sources");
-    a->src[GGML_KVCOMP_FA_SRC_K_EXACT] = k_exact;
-    a->src[GGML_KVCOMP_FA_SRC_V_EXACT] = v_exact;
+    int64_t n_keys = k->ne[1] + k_exact->ne[1];
+    if (k_ubatch) {
+        kvc_check_exact(k, k_ubatch);
+        kvc_check_exact(v, v_ubatch);
+        GGML_ASSERT(k_ubatch->ne[1] == v_ubatch->ne[1]);
+        n_keys += k_ubatch->ne[1];
+    }
+    GGML_ASSERT(mask && mask->ne[0] >= n_keys && "the mask covers every source");
+    a->src[GGML_KVCOMP_FA_SRC_K_EXACT]  = k_exact;
+    a->src[GGML_KVCOMP_FA_SRC_V_EXACT]  = v_exact;
+    a->src[GGML_KVCOMP_FA_SRC_K_UBATCH] = k_ubatch;
+    a->src[GGML_KVCOMP_FA_SRC_V_UBATCH] = v_ubatch;
 }
 
 bool ggml_flash_attn_ext_has_exact(const struct ggml_tensor * a) {

@@ -10,13 +10,6 @@ const int8_t kvalues_kvc4[16] = KVC_LEVELS_KVC4;
 const int8_t kvalues_kvc3[8]  = KVC_LEVELS_KVC3;
 const int8_t kvalues_kvc2[4]  = KVC_LEVELS_KVC2;
 
-typedef struct {
-    const int8_t * levels;
-    int            n;
-    float          mid[15];   // decision thresholds between neighbouring levels
-    int            zero_code; // code of the level with the smallest magnitude
-} kvc_codebook;
-
 static void kvc_codebook_init(kvc_codebook * cb, const int8_t * levels, int n) {
     cb->levels    = levels;
     cb->n         = n;
@@ -24,16 +17,6 @@ static void kvc_codebook_init(kvc_codebook * cb, const int8_t * levels, int n) {
     for (int i = 0; i + 1 < n; ++i) {
         cb->mid[i] = 0.5f * (levels[i] + levels[i + 1]);
     }
-}
-
-// Index of the level nearest to v (ties go down). A branch-free count of the thresholds
-// below v measured faster here than a binary search or a cell table.
-static inline int kvc_nearest(const kvc_codebook * cb, float v) {
-    int c = 0;
-    for (int i = 0; i + 1 < cb->n; ++i) {
-        c += v > cb->mid[i];
-    }
-    return c;
 }
 
 // Round to nearest (ties to even) for |v| < 2^22 without a libm call: the base library is
@@ -58,9 +41,25 @@ static inline float kvc_finite_or_zero(float v) {
     return isfinite(v) ? v : 0.0f;
 }
 
+// The reference kvc_sub_errors_t. Products and sums are rounded one at a time (no fused
+// multiply-add), the rounding the SIMD versions reproduce.
+KVC_NO_FP_CONTRACT
+static void kvc_sub_errors_ref(const kvc_codebook * cb, const float * v, int n, const float * d, const float * id,
+                               int n_cand, float * err) {
+    KVC_NO_FP_CONTRACT_BODY
+    for (int c = 0; c < n_cand; ++c) {
+        float e = 0.0f;
+        for (int i = 0; i < n; ++i) {
+            const float diff = v[i] - d[c] * cb->levels[kvc_nearest(cb, v[i] * id[c])];
+            e += diff * diff;
+        }
+        err[c] = e;
+    }
+}
+
 // Chooses the step of one sub-block by minimizing the squared error over a window of
 // 8-bit step codes, and writes the codes of the chosen step.
-static uint8_t kvc_quantize_sub(const kvc_codebook * cb, const float * x, int n, uint8_t * codes) {
+static uint8_t kvc_quantize_sub(const kvc_codebook * cb, const float * x, int n, uint8_t * codes, kvc_sub_errors_t errors) {
     float v[QK_KVC_SUB];
     float amax = 0.0f;
     for (int i = 0; i < n; ++i) {
@@ -74,28 +73,34 @@ static uint8_t kvc_quantize_sub(const kvc_codebook * cb, const float * x, int n,
 
     const int e_max = kvc_fp32_to_e8(amax / cb->levels[cb->n - 1]);
 
-    int   best_e   = e_max;
-    float best_err = INFINITY;
+    int   cand[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
+    float d[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
+    float id[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
+    float err[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
+    int n_cand = 0;
     for (int e = e_max + KVC_SEARCH_UP; e >= e_max - KVC_SEARCH_DOWN; --e) {
         if (e < 1 || e > KVC_E8_MAX) {
             continue;
         }
-        const float d  = kvc_e8_to_fp32((uint8_t) e);
-        const float id = 1.0f / d;
-        float err = 0.0f;
-        for (int i = 0; i < n; ++i) {
-            const float diff = v[i] - d * cb->levels[kvc_nearest(cb, v[i] * id)];
-            err += diff * diff;
-        }
-        if (err < best_err) {
-            best_err = err;
-            best_e   = e;
+        cand[n_cand] = e;
+        d[n_cand]    = kvc_e8_to_fp32((uint8_t) e);
+        id[n_cand]   = 1.0f / d[n_cand];
+        ++n_cand;
+    }
+    errors(cb, v, n, d, id, n_cand, err);
+
+    int   best_e   = e_max;
+    float best_err = INFINITY;
+    for (int c = 0; c < n_cand; ++c) {
+        if (err[c] < best_err) {
+            best_err = err[c];
+            best_e   = cand[c];
         }
     }
 
-    const float id = 1.0f / kvc_e8_to_fp32((uint8_t) best_e);
+    const float id_best = 1.0f / kvc_e8_to_fp32((uint8_t) best_e);
     for (int i = 0; i < n; ++i) {
-        codes[i] = (uint8_t) kvc_nearest(cb, v[i] * id);
+        codes[i] = (uint8_t) kvc_nearest(cb, v[i] * id_best);
     }
     return (uint8_t) best_e;
 }
@@ -175,31 +180,41 @@ static void kvc_pack_kvc2(const uint8_t codes[QK_KVC], void * block) {
 }
 
 // Every low-bit block starts with its two step codes, followed by the packed codes.
-static void kvc_quantize_row_lowbit(const int8_t * levels, int n_levels, size_t block_size, kvc_pack_t pack,
-                                    const float * x, void * y, int64_t k) {
+void kvc_quantize_row_lowbit(enum ggml_type type, const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k,
+                             kvc_sub_errors_t errors) {
     assert(k % QK_KVC == 0);
     kvc_codebook cb;
-    kvc_codebook_init(&cb, levels, n_levels);
+    size_t       block_size;
+    kvc_pack_t   pack;
+    switch (type) {
+        case GGML_TYPE_KVC4: kvc_codebook_init(&cb, kvalues_kvc4, 16); block_size = sizeof(block_kvc4); pack = kvc_pack_kvc4; break;
+        case GGML_TYPE_KVC3: kvc_codebook_init(&cb, kvalues_kvc3,  8); block_size = sizeof(block_kvc3); pack = kvc_pack_kvc3; break;
+        case GGML_TYPE_KVC2: kvc_codebook_init(&cb, kvalues_kvc2,  4); block_size = sizeof(block_kvc2); pack = kvc_pack_kvc2; break;
+        default:             GGML_ABORT("kvc_quantize_row_lowbit: %s is not a low-bit kvc type", ggml_type_name(type));
+    }
+    if (!errors) {
+        errors = kvc_sub_errors_ref;
+    }
 
     for (int64_t b = 0; b < k / QK_KVC; ++b) {
         uint8_t * block = (uint8_t *) y + b * block_size;
         uint8_t   codes[QK_KVC];
-        block[0] = kvc_quantize_sub(&cb, x + b * QK_KVC,              QK_KVC_SUB, codes);
-        block[1] = kvc_quantize_sub(&cb, x + b * QK_KVC + QK_KVC_SUB, QK_KVC_SUB, codes + QK_KVC_SUB);
+        block[0] = kvc_quantize_sub(&cb, x + b * QK_KVC,              QK_KVC_SUB, codes, errors);
+        block[1] = kvc_quantize_sub(&cb, x + b * QK_KVC + QK_KVC_SUB, QK_KVC_SUB, codes + QK_KVC_SUB, errors);
         pack(codes, block);
     }
 }
 
 void quantize_row_kvc4_ref(const float * GGML_RESTRICT x, block_kvc4 * GGML_RESTRICT y, int64_t k) {
-    kvc_quantize_row_lowbit(kvalues_kvc4, 16, sizeof(block_kvc4), kvc_pack_kvc4, x, y, k);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC4, x, y, k, NULL);
 }
 
 void quantize_row_kvc3_ref(const float * GGML_RESTRICT x, block_kvc3 * GGML_RESTRICT y, int64_t k) {
-    kvc_quantize_row_lowbit(kvalues_kvc3, 8, sizeof(block_kvc3), kvc_pack_kvc3, x, y, k);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC3, x, y, k, NULL);
 }
 
 void quantize_row_kvc2_ref(const float * GGML_RESTRICT x, block_kvc2 * GGML_RESTRICT y, int64_t k) {
-    kvc_quantize_row_lowbit(kvalues_kvc2, 4, sizeof(block_kvc2), kvc_pack_kvc2, x, y, k);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC2, x, y, k, NULL);
 }
 
 void dequantize_row_kvc8(const block_kvc8 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {

@@ -491,30 +491,37 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     ggml_tensor * & cur     = (is_k ? k_cur : v_cur)[ib];
     ggml_tensor * slots = written ? written : (is_k ? k_buf : v_buf)[ib];
 
-    // the exact rows: the slots, then the ubatch's own rows rounded to F16 as the slots hold
-    // them, so a key seen exactly is the same value in a batched prompt and a decode step
-    // (the ubatch's streams are consecutive, as upstream's views of the main cache assume)
+    // The exact rows: the slots, read where they lie, and the ubatch's own rows rounded to F16
+    // as the slots hold them, so a key seen exactly is the same value in a batched prompt and
+    // in a decode step (the ubatch's streams are consecutive, as upstream's views of the main
+    // cache assume).
     ggml_tensor * exact = ggml_view_4d(ctx0, slots, ne0, ne1, n_slots(), ns,
             ggml_row_size(slots->type, ne0), slots->nb[1], slots->nb[1] * n_rows(), slots->nb[1] * n_rows() * s0);
+    ggml_tensor * exact_ub = nullptr;
     if (cur) {
         const int64_t n_tps = cur->ne[1] / ns;
         ggml_tensor * uv = ggml_view_4d(ctx0, cur, ne0, ne1, n_tps, ns,
                 ggml_row_size(cur->type, ne0), cur->nb[1], cur->nb[1] * n_tps, 0);
-        exact = ggml_concat(ctx0, exact, ggml_cast(ctx0, uv, GGML_TYPE_F16), 2);
+        exact_ub = ggml_cast(ctx0, uv, GGML_TYPE_F16);
     }
     written = nullptr;
     cur     = nullptr;
 
     const ggml_tensor * cache = main_view->view_src ? main_view->view_src : main_view;
     if (cache->buffer && !ggml_backend_buffer_is_host(cache->buffer)) {
-        // Device caches: until the GPU kernels read two sources (issue 21), attention reads an
-        // F16 copy of the main cells joined to the exact rows.
-        return ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F16), exact, 2);
+        // Device caches: until the GPU kernels read the exact rows as their own sources
+        // (issue 21), attention reads an F16 copy of the main cells joined to them.
+        ggml_tensor * all = ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F16), exact, 2);
+        return exact_ub ? ggml_concat(ctx0, all, exact_ub, 2) : all;
     }
-    // Host caches: attention reads the main cells where they lie and the exact rows as its
-    // second source, attached to the node by llama_kvcomp_add_exact through these names.
-    ggml_format_name(main_view, "kvcomp_main_%c-%d", is_k ? 'k' : 'v', il);
-    ggml_format_name(exact, "kvcomp_exact_%c-%d", is_k ? 'k' : 'v', il);
+    // Host caches: attention reads the main cells where they lie and the exact rows as further
+    // sources, attached to the node by llama_kvcomp_add_exact, which finds them by these names.
+    const char c = is_k ? 'k' : 'v';
+    ggml_format_name(main_view, "kvcomp_main_%c-%d", c, il);
+    ggml_format_name(exact, "kvcomp_exact_%c-%d", c, il);
+    if (exact_ub) {
+        ggml_format_name(exact_ub, "kvcomp_ubatch_%c-%d", c, il);
+    }
     return main_view;
 }
 
@@ -530,14 +537,17 @@ void llama_kvcomp_add_exact(ggml_context * ctx, ggml_tensor * fa) {
         il_k != il_v) {
         return;
     }
-    char name[GGML_MAX_NAME];
-    snprintf(name, sizeof(name), "kvcomp_exact_k-%d", il_k);
-    ggml_tensor * ke = ggml_get_tensor(ctx, name);
-    snprintf(name, sizeof(name), "kvcomp_exact_v-%d", il_k);
-    ggml_tensor * ve = ggml_get_tensor(ctx, name);
+    auto find = [&](const char * part, char c) -> ggml_tensor * {
+        char name[GGML_MAX_NAME];
+        snprintf(name, sizeof(name), "kvcomp_%s_%c-%d", part, c, il_k);
+        ggml_tensor * t = ggml_get_tensor(ctx, name);
+        // the same permutation as the main K/V: [head size, keys, KV heads, streams]
+        return t ? ggml_permute(ctx, t, 0, 2, 1, 3) : nullptr;
+    };
+    ggml_tensor * ke = find("exact", 'k');
+    ggml_tensor * ve = find("exact", 'v');
     GGML_ASSERT(ke && ve && "kvcomp: the exact rows of a buffered layer are missing from its graph");
-    // the same permutation as the main K/V: [head size, keys, KV heads, streams]
-    ggml_flash_attn_ext_add_exact(fa, ggml_permute(ctx, ke, 0, 2, 1, 3), ggml_permute(ctx, ve, 0, 2, 1, 3));
+    ggml_flash_attn_ext_add_exact(fa, ke, ve, find("ubatch", 'k'), find("ubatch", 'v'));
 }
 
 void llama_kvcomp_buffer::set_input_slot_idxs(int64_t * dst, const llama_kv_cache::slot_info & sinfo) const {

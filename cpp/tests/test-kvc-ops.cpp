@@ -176,6 +176,27 @@ std::vector<float> attention_ref(const std::vector<float> & q, const std::vector
     return out;
 }
 
+std::vector<float> sink_logits(int n_head) {
+    std::vector<float> sinks(n_head);
+    for (int h = 0; h < n_head; ++h) {
+        sinks[h] = 0.5f * (float) h - 1.0f;
+    }
+    return sinks;
+}
+
+// FLASH_ATTN_EXT with F32 accumulation, and sinks when given
+ggml_tensor * flash_attn(graph_ctx & g, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * mask, float scale,
+                         float softcap, const std::vector<float> * sinks) {
+    ggml_tensor * out = ggml_flash_attn_ext(g.ctx, q, k, v, mask, scale, 0.0f, softcap);
+    ggml_prec_set_acc(out, GGML_PREC_F32);
+    if (sinks) {
+        ggml_tensor * ts = ggml_new_tensor_1d(g.ctx, GGML_TYPE_F32, (int64_t) sinks->size());
+        fill(ts, *sinks);
+        ggml_flash_attn_ext_add_sinks(out, ts);
+    }
+    return out;
+}
+
 struct fa_shape {
     int   n_q, n_kv, n_head, n_head_kv;
     int   n_threads;
@@ -214,10 +235,7 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_s
             }
         }
     }
-    std::vector<float> sinks(n_head);
-    for (int h = 0; h < n_head; ++h) {
-        sinks[h] = 0.5f * (float) h - 1.0f;
-    }
+    const std::vector<float> sinks = sink_logits(n_head);
 
     ggml_tensor * tq = ggml_new_tensor_3d(g.ctx, GGML_TYPE_F32, d, n_q, n_head);
     ggml_tensor * tkf = ggml_new_tensor_3d(g.ctx, GGML_TYPE_F32, d, n_kv, n_head_kv);
@@ -232,13 +250,7 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_s
 
     ggml_tensor * kq = ggml_cpy(g.ctx, tkf, ggml_new_tensor_3d(g.ctx, tk, d, n_kv, n_head_kv));
     ggml_tensor * vq = ggml_cpy(g.ctx, tvf, ggml_new_tensor_3d(g.ctx, tv, d, n_kv, n_head_kv));
-    ggml_tensor * out = ggml_flash_attn_ext(g.ctx, tq, kq, vq, tm, scale, 0.0f, sh.softcap);
-    ggml_prec_set_acc(out, GGML_PREC_F32);
-    if (sh.sinks) {
-        ggml_tensor * ts = ggml_new_tensor_1d(g.ctx, GGML_TYPE_F32, n_head);
-        fill(ts, sinks);
-        ggml_flash_attn_ext_add_sinks(out, ts);
-    }
+    ggml_tensor * out = flash_attn(g, tq, kq, vq, tm, scale, sh.softcap, sh.sinks ? &sinks : nullptr);
     g.compute(out, sh.n_threads);
 
     const float * ps = sh.sinks ? sinks.data() : nullptr;
@@ -263,9 +275,9 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_s
         sh.name, ggml_type_name(tk), ggml_type_name(tv), d, e_f32, bound);
 }
 
-// Two-source attention: main cells of a kvc type and exact F16 rows under one softmax and one
-// mask whose columns are [main ; exact]; the reference attends the concatenation of the
-// dequantized main rows and the F16-rounded exact rows in double.
+// Two-source attention: main cells of a kvc type and exact F16 rows (slots, then the ubatch's
+// rows) under one softmax and one mask whose columns are [main ; exact]; the reference attends
+// the concatenation of the dequantized main rows and the F16-rounded exact rows in double.
 struct fa_exact_shape {
     int   n_q, n_main, n_exact, n_head, n_head_kv, n_stream, n_threads;
     float softcap;
@@ -309,10 +321,7 @@ void test_flash_attn_exact(report & rep, ggml_type tk, ggml_type tv, int d, cons
             }
         }
     }
-    std::vector<float> sinks(n_head);
-    for (int h = 0; h < n_head; ++h) {
-        sinks[h] = 0.5f * (float) h - 1.0f;
-    }
+    const std::vector<float> sinks = sink_logits(n_head);
 
     ggml_tensor * tq  = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F32, d, n_q, n_head, ns);
     ggml_tensor * tkm = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F32, d, n_main, n_head_kv, ns);
@@ -336,20 +345,23 @@ void test_flash_attn_exact(report & rep, ggml_type tk, ggml_type tv, int d, cons
     ggml_tensor * vq = ggml_cpy(g.ctx, tvm, ggml_new_tensor_4d(g.ctx, tv, d, n_main, n_head_kv, ns));
     ggml_tensor * kx = ggml_cpy(g.ctx, tke, ggml_new_tensor_4d(g.ctx, GGML_TYPE_F16, d, n_exact, n_head_kv, ns));
     ggml_tensor * vx = ggml_cpy(g.ctx, tve, ggml_new_tensor_4d(g.ctx, GGML_TYPE_F16, d, n_exact, n_head_kv, ns));
-    ggml_tensor * out = ggml_flash_attn_ext(g.ctx, tq, kq, vq, tm, scale, 0.0f, sh.softcap);
-    ggml_prec_set_acc(out, GGML_PREC_F32);
-    if (sh.sinks) {
-        ggml_tensor * ts = ggml_new_tensor_1d(g.ctx, GGML_TYPE_F32, n_head);
-        fill(ts, sinks);
-        ggml_flash_attn_ext_add_sinks(out, ts);
-    }
+    ggml_tensor * out = flash_attn(g, tq, kq, vq, tm, scale, sh.softcap, sh.sinks ? &sinks : nullptr);
+    // the exact rows as the buffer gives them: slots, then (but for one shape) the ubatch's rows
+    const int n_ub = sh.n_stream == 1 && sh.n_q == 1 && sh.sinks ? 0 : n_exact / 3;
+    auto part = [&](ggml_tensor * t, int j0, int n) {
+        return ggml_view_4d(g.ctx, t, d, n, n_head_kv, ns, t->nb[1], t->nb[2], t->nb[3], j0 * t->nb[1]);
+    };
+    ggml_tensor * kx_ub = n_ub ? part(kx, n_exact - n_ub, n_ub) : nullptr;
+    ggml_tensor * vx_ub = n_ub ? part(vx, n_exact - n_ub, n_ub) : nullptr;
     if (!tm) {
         // without a mask the node cannot say how its keys split; ggml_flash_attn_ext_add_exact
         // requires one, so this shape attaches the sources directly
-        out->src[GGML_KVCOMP_FA_SRC_K_EXACT] = kx;
-        out->src[GGML_KVCOMP_FA_SRC_V_EXACT] = vx;
+        out->src[GGML_KVCOMP_FA_SRC_K_EXACT]  = part(kx, 0, n_exact - n_ub);
+        out->src[GGML_KVCOMP_FA_SRC_V_EXACT]  = part(vx, 0, n_exact - n_ub);
+        out->src[GGML_KVCOMP_FA_SRC_K_UBATCH] = kx_ub;
+        out->src[GGML_KVCOMP_FA_SRC_V_UBATCH] = vx_ub;
     } else {
-        ggml_flash_attn_ext_add_exact(out, kx, vx);
+        ggml_flash_attn_ext_add_exact(out, part(kx, 0, n_exact - n_ub), part(vx, 0, n_exact - n_ub), kx_ub, vx_ub);
     }
     g.compute(out, sh.n_threads);
     const size_t n_out = (size_t) d * n_head * n_q * ns;
@@ -413,7 +425,7 @@ void test_exact_support(report & rep) {
     ggml_tensor * m  = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F16, 256 + 8, 1, 1, 1);
     ggml_tensor * plain = ggml_flash_attn_ext(g.ctx, q, k, v, m, 1.0f, 0.0f, 0.0f);
     ggml_tensor * two   = ggml_flash_attn_ext(g.ctx, q, k, v, m, 1.0f, 0.0f, 0.0f);
-    ggml_flash_attn_ext_add_exact(two, ke, ve);
+    ggml_flash_attn_ext_add_exact(two, ke, ve, nullptr, nullptr);
 
     ggml_backend_device fake = {};
     fake.iface.get_name    = [](ggml_backend_dev_t) { return "FAKE-GPU"; };

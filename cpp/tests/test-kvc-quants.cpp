@@ -147,6 +147,31 @@ void test_vec_dot(report & rep, ggml_type type, ggml_vec_dot_t generic) {
     rep.check(max_ref  <= 1e-5, "%s vec_dot scalar vs float dot of dequantized rows: max rel diff %.2e <= 1e-5", ggml_type_name(type), max_ref);
 }
 
+// The CPU quantizer (SIMD step search where the build has it) writes the reference's bytes:
+// every distribution, zero and non-finite values, magnitudes near both ends of the step codes.
+void test_cpu_from_float(report & rep, ggml_type type) {
+    std::vector<float> x;
+    for (dist d : { dist::gaussian, dist::student_t3, dist::outlier_channels }) {
+        const auto r = make_rows(d, 64, N, 123 + (uint32_t) d);
+        x.insert(x.end(), r.begin(), r.end());
+    }
+    const size_t n_base = x.size();
+    for (float scale : { 1e-6f, 3e-5f, 40.0f, 3000.0f }) {
+        for (size_t i = 0; i < (size_t) 4 * N; ++i) {
+            x.push_back(x[i] * scale);
+        }
+    }
+    x[n_base + 3] = NAN;
+    x[n_base + 70] = INFINITY;
+    std::fill(x.begin() + 5 * N, x.begin() + 5 * N + 16, 0.0f);
+    std::vector<uint8_t> ref(ggml_row_size(type, (int64_t) x.size()));
+    std::vector<uint8_t> cpu(ref.size(), 0xAA);
+    ggml_get_type_traits(type)->from_float_ref(x.data(), ref.data(), (int64_t) x.size());
+    ggml_get_type_traits_cpu(type)->from_float(x.data(), cpu.data(), (int64_t) x.size());
+    rep.check(std::memcmp(ref.data(), cpu.data(), ref.size()) == 0, "%s CPU quantization writes the reference's bytes (%zu values)",
+        ggml_type_name(type), x.size());
+}
+
 void test_cpu_to_float(report & rep, ggml_type type) {
     auto x = make_rows(dist::student_t3, 64, N, 77);
     std::fill(x.begin() + 3 * N, x.begin() + 3 * N + 32, 0.0f);
@@ -179,6 +204,7 @@ int main() {
         test_non_finite(rep, t);
         test_vec_dot(rep, t, generic[i]);
         test_cpu_to_float(rep, t);
+        test_cpu_from_float(rep, t);
     }
     rep.check(ggml_kvc_cpu_get_to_float(GGML_TYPE_Q4_0) == ggml_get_type_traits(GGML_TYPE_Q4_0)->to_float,
         "other types keep upstream's row dequantization");
