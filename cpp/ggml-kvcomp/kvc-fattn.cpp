@@ -1,15 +1,16 @@
-// CPU flash attention over kvc caches and over two sources: the main cells (any cache type)
-// and the residual buffer's exact F16 rows (ggml_flash_attn_ext_add_exact: its slots, then the
-// ubatch's own rows), under one online softmax and one mask. Nothing is copied outside per-thread scratch: a decode step reads the
-// packed rows where they lie, a prompt dequantizes 64-key tiles.
+// CPU flash attention over kvc caches and over several sources: the main cells (any cache
+// type) and the residual buffer's exact F16 rows (ggml_flash_attn_ext_add_exact: its slots,
+// then the ubatch's own rows), under one online softmax and one mask. Nothing is copied
+// outside per-thread scratch: a decode step reads the rows where they lie, a prompt
+// dequantizes 64-key tiles.
 //
 // Two kernels, each with a scalar reference (params->use_ref) that the SIMD path is held to
 // (cpp/tests/test-kvc-ops.cpp):
 //  - decode (one query token per stream): a work item is (stream, KV head, key range); the
-//    query heads of the KV head are done together so each packed K and V row is decoded once
-//    (to F32, dotted with the F32 queries as the prompt kernel does),
-//    and the keys of both sources are split over the threads, each range written as a partial
-//    (running maximum, sum, unnormalized output) and the ranges combined in order;
+//    query heads of the KV head are done together, so each K and V row is converted to F32
+//    once and dotted with the F32 queries as the prompt kernel does; the keys of all sources
+//    are split over the threads, each range written as a partial (running maximum, sum,
+//    unnormalized output) and the ranges combined in order;
 //  - prompt (several query tokens): a work item is (stream, KV head, block of query tokens);
 //    its rows (tokens x query heads, at most 64) meet 64-key tiles dequantized to F32 and
 //    multiplied as upstream's tiled F16 kernel does, so a kvc cache costs about what F16 does.
