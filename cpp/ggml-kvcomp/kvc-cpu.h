@@ -33,7 +33,7 @@ GGML_KVCOMP_DECLARE_VEC_DOT(kvc2)
 GGML_BACKEND_API ggml_to_float_t ggml_kvc_cpu_get_to_float(enum ggml_type type);
 
 // FLASH_ATTN_EXT on the CPU when it reads a kvc cache or a second, exact source
-// (ggml_flash_attn_ext_add_exact), kvc-fattn.cpp: a decode kernel that splits the keys of both
+// (ggml_flash_attn_ext_add_exact), kvc-fattn.cpp: a decode kernel that splits the keys of all
 // sources over the threads and reads each packed row once for all query heads of its KV head,
 // and a tiled prompt kernel that dequantizes 64-key tiles into per-thread scratch (never the
 // whole cache) and multiplies them as upstream's tiled F16 path does. params->use_ref selects

@@ -217,6 +217,55 @@ void add_sink(float s, float & M, float & S, float * acc, int64_t DV, bool ref) 
     }
 }
 
+// One online-softmax step of a query row over a tile of n scores x: the running maximum M
+// moves up to the tile's (acc and S rescaled), x becomes the probabilities and S takes their
+// sum. A tile with nothing visible becomes zeros and changes nothing.
+void fold_tile(float * x, int n, float & M, float & S, float * acc, int64_t DV, bool ref) {
+    float m = -INFINITY;
+    for (int j = 0; j < n; ++j) {
+        m = std::max(m, x[j]);
+    }
+    if (m == -INFINITY) {
+        memset(x, 0, n * sizeof(float));
+        return;
+    }
+    if (m > M) {
+        const float ms = expf(M - m);
+        scale_f32(acc, ms, DV, ref);
+        S *= ms;
+        M = m;
+    }
+    S += softmax_tile(x, n, M, ref);
+}
+
+// out = acc / S (zeros when nothing was visible)
+void write_row(float * out, const float * acc, float S, int64_t DV) {
+    const float inv = S == 0.0f ? 0.0f : 1.0f / S;
+    for (int64_t i = 0; i < DV; ++i) {
+        out[i] = acc[i] * inv;
+    }
+}
+
+// A node's work units: (stream, KV head, group of at most max_group of its query heads).
+struct fa_units {
+    int64_t n_hg; // groups per KV head
+    int64_t gh;   // query heads per group (the last may have fewer)
+    int64_t n;
+
+    fa_units(const fa_node & a, int64_t max_group) :
+        n_hg((a.G + max_group - 1) / max_group), gh((a.G + n_hg - 1) / n_hg), n(a.n_stream * a.n_head_kv * n_hg) {}
+
+    struct unit {
+        int64_t s, hk, h0, gn; // stream, KV head, first query head, query heads
+    };
+
+    unit at(const fa_node & a, int64_t i) const {
+        const int64_t hg = i % n_hg;
+        const int64_t hk = (i / n_hg) % a.n_head_kv;
+        return { i / (n_hg * a.n_head_kv), hk, hk * a.G + hg * gh, std::min(gh, a.G - hg * gh) };
+    }
+};
+
 // ---------------------------------------------------------------------------------------
 // decode
 
@@ -267,21 +316,7 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
         }
 
         for (int64_t g = 0; g < gn; ++g) {
-            float m = -INFINITY;
-            for (int j = 0; j < n; ++j) {
-                m = std::max(m, sc[g][j]);
-            }
-            if (m == -INFINITY) {
-                memset(sc[g], 0, n * sizeof(float));
-                continue;
-            }
-            if (m > st.M[g]) {
-                const float ms = expf(st.M[g] - m);
-                scale_f32(st.acc[g], ms, DV, ref);
-                st.S[g] *= ms;
-                st.M[g] = m;
-            }
-            st.S[g] += softmax_tile(sc[g], n, st.M[g], ref);
+            fold_tile(sc[g], n, st.M[g], st.S[g], st.acc[g], DV, ref);
         }
 
         // the tile's V rows are decoded once for all heads
@@ -372,11 +407,7 @@ void dec_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, 
             p[1] = st.S[g];
             memcpy(p + 2, st.acc[g], a.DV * sizeof(float));
         } else {
-            const float inv = st.S[g] == 0.0f ? 0.0f : 1.0f / st.S[g];
-            float * out = a.out_row(0, h, s);
-            for (int64_t i = 0; i < a.DV; ++i) {
-                out[i] = st.acc[g][i] * inv;
-            }
+            write_row(a.out_row(0, h, s), st.acc[g], st.S[g], a.DV);
         }
     }
 }
@@ -385,9 +416,8 @@ void fa_decode(const ggml_compute_params * params, const fa_node & a) {
     const int ith = params->ith;
     const int nth = params->nth;
 
-    const int64_t n_hg    = (a.G + KVC_DEC_GROUP - 1) / KVC_DEC_GROUP;
-    const int64_t gh      = (a.G + n_hg - 1) / n_hg;
-    const int64_t n_units = a.n_stream * a.n_head_kv * n_hg;
+    const fa_units units(a, KVC_DEC_GROUP);
+    const int64_t  n_units = units.n;
 
     // Key ranges per unit: just enough that every thread gets the same number of items, while a
     // range keeps some keys and the partials fit the plan's scratch.
@@ -400,16 +430,11 @@ void fa_decode(const ggml_compute_params * params, const fa_node & a) {
     float * parts = n_chunks > 1 ? (float *) params->wdata : nullptr;
     const int64_t n_items = n_units * n_chunks;
     for (int64_t i = ith; i < n_items; i += nth) {
-        const int64_t unit  = i % n_units;
+        const fa_units::unit u = units.at(a, i % n_units);
         const int64_t chunk = i / n_units;
-        const int64_t hg = unit % n_hg;
-        const int64_t hk = (unit / n_hg) % a.n_head_kv;
-        const int64_t s  = unit / (n_hg * a.n_head_kv);
-        const int64_t h0 = hk * a.G + hg * gh;
-        const int64_t gn = std::min(gh, a.G - hg * gh);
         const int64_t c0 = a.n_keys * chunk / n_chunks;
         const int64_t c1 = a.n_keys * (chunk + 1) / n_chunks;
-        dec_item(a, s, hk, h0, gn, c0, c1, parts ? parts + chunk * part_size : nullptr, n_chunks * part_size);
+        dec_item(a, u.s, u.hk, u.h0, u.gn, c0, c1, parts ? parts + chunk * part_size : nullptr, n_chunks * part_size);
     }
     if (!parts) {
         return;
@@ -435,11 +460,7 @@ void fa_decode(const ggml_compute_params * params, const fa_node & a) {
             S = S * so + p[1] * sn;
             M = Mn;
         }
-        const float inv = S == 0.0f ? 0.0f : 1.0f / S;
-        float * out = a.out_row(0, r % a.n_head, r / a.n_head);
-        for (int64_t i = 0; i < a.DV; ++i) {
-            out[i] = acc[i] * inv;
-        }
+        write_row(a.out_row(0, r % a.n_head, r / a.n_head), acc, S, a.DV);
     }
 }
 
@@ -525,22 +546,10 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
             for (int r = 0; r < R; ++r) {
                 float * kq = KQ + r * TK;
                 const float * mk = MK + r * TK;
-                float m = -INFINITY;
                 for (int c = 0; c < TK; ++c) {
                     kq[c] = mk[c] == -INFINITY ? -INFINITY : a.score(kq[c], mk[c]);
-                    m = std::max(m, kq[c]);
                 }
-                if (m == -INFINITY) {
-                    memset(kq, 0, TK * sizeof(float));
-                    continue;
-                }
-                if (m > M[r]) {
-                    const float ms = expf(M[r] - m);
-                    scale_f32(VKQ + r * DV, ms, DV, ref);
-                    S[r] *= ms;
-                    M[r] = m;
-                }
-                S[r] += softmax_tile(kq, (int) TK, M[r], ref);
+                fold_tile(kq, (int) TK, M[r], S[r], VKQ + r * DV, DV, ref);
             }
 
             for (int c = 0; c < nk; ++c) {
@@ -560,11 +569,7 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
         if (a.sinks) {
             add_sink(((const float *) a.sinks->data)[h], M[r], S[r], acc, DV, ref);
         }
-        const float inv = S[r] == 0.0f ? 0.0f : 1.0f / S[r];
-        float * out = a.out_row(t, h, s);
-        for (int64_t i = 0; i < DV; ++i) {
-            out[i] = acc[i] * inv;
-        }
+        write_row(a.out_row(t, h, s), acc, S[r], DV);
     }
 }
 
@@ -576,12 +581,10 @@ void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
     GGML_ASSERT(params->wsize >= per_thread * nth * sizeof(float) && "kvcomp: flash attention scratch too small");
     float * scratch = (float *) params->wdata + per_thread * ith;
 
-    const int64_t n_hg    = (a.G + KVC_FA_TILE_Q - 1) / KVC_FA_TILE_Q;
-    const int64_t gh      = (a.G + n_hg - 1) / n_hg;
-    const int64_t qb      = std::max<int64_t>(1, KVC_FA_TILE_Q / gh);
-    const int64_t n_qb    = (a.n_q + qb - 1) / qb;
-    const int64_t n_units = a.n_stream * a.n_head_kv * n_hg;
-    const int64_t n_items = n_units * n_qb;
+    const fa_units units(a, KVC_FA_TILE_Q);
+    const int64_t  qb      = std::max<int64_t>(1, KVC_FA_TILE_Q / units.gh);
+    const int64_t  n_qb    = (a.n_q + qb - 1) / qb;
+    const int64_t  n_items = units.n * n_qb;
 
     if (ith == 0) {
         ggml_threadpool_chunk_set(params->threadpool, nth);
@@ -590,14 +593,9 @@ void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
 
     // the last query blocks see the most keys of a causal prompt: they go first
     for (int64_t i = ith; i < n_items; i = ggml_threadpool_chunk_add(params->threadpool, 1)) {
-        const int64_t unit = i % n_units;
-        const int64_t b    = n_qb - 1 - i / n_units;
-        const int64_t hg = unit % n_hg;
-        const int64_t hk = (unit / n_hg) % a.n_head_kv;
-        const int64_t s  = unit / (n_hg * a.n_head_kv);
-        const int64_t h0 = hk * a.G + hg * gh;
-        const int64_t gn = std::min(gh, a.G - hg * gh);
-        prompt_item(a, s, hk, h0, gn, b * qb, std::min(a.n_q, (b + 1) * qb), scratch);
+        const fa_units::unit u = units.at(a, i % units.n);
+        const int64_t b = n_qb - 1 - i / units.n;
+        prompt_item(a, u.s, u.hk, u.h0, u.gn, b * qb, std::min(a.n_q, (b + 1) * qb), scratch);
     }
 }
 

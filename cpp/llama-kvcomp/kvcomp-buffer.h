@@ -207,5 +207,5 @@ private:
 
 // Hook after upstream builds a FLASH_ATTN_EXT node (patch 0017): when its K and V are the main
 // views of a buffered layer (named by llama_kvcomp_buffer::get), attaches that layer's exact
-// rows as the node's second source (ggml_flash_attn_ext_add_exact). Other nodes are left alone.
+// rows as further sources of the node (ggml_flash_attn_ext_add_exact). Other nodes are left alone.
 void llama_kvcomp_add_exact(ggml_context * ctx, ggml_tensor * fa);

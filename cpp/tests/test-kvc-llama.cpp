@@ -86,10 +86,18 @@ double kl_mean(const std::vector<float> & ref, const std::vector<float> & a, siz
     return k / (double) (ref.size() / n_vocab);
 }
 
+// logits of the last N_ROWS prompt tokens: quality is judged by their mean KL to f16
+constexpr int N_ROWS = 64;
+
 struct type_result {
-    std::vector<float> whole;   // logits after the prompt in one ubatch
+    std::vector<float> rows;    // logits of the last N_ROWS tokens of the prompt in one ubatch
+    std::vector<float> whole;   // the last of them
     std::vector<float> shifted; // logits after a context shift
 };
+
+std::vector<float> last_row(const std::vector<float> & rows, size_t n_vocab) {
+    return rows.size() < n_vocab ? std::vector<float>() : std::vector<float>(rows.end() - n_vocab, rows.end());
+}
 
 type_result test_type(report & rep, llama_model * model, const std::vector<llama_token> & toks, ggml_type type,
                       const std::vector<float> * f16_rows = nullptr) {
@@ -102,10 +110,13 @@ type_result test_type(report & rep, llama_model * model, const std::vector<llama
     const double split_bound = type == GGML_TYPE_F16 ? 5e-2 : 2e-3;
 
     // batched = sequential
-    const std::vector<float> whole = decode_fresh(make_ctx(model, type), toks, N_PROMPT, N_PROMPT);
-    const std::vector<float> by32  = decode_fresh(make_ctx(model, type), toks, N_PROMPT, 32);
-    const std::vector<float> by1   = decode_fresh(make_ctx(model, type), toks, N_PROMPT, 1);
-    rep.check(!whole.empty(), "%s decodes a %d-token prompt", tn, N_PROMPT);
+    const size_t n_vocab = (size_t) llama_vocab_n_tokens(llama_model_get_vocab(model));
+    res.rows = decode_fresh(make_ctx(model, type), toks, N_PROMPT, N_PROMPT, nullptr, N_ROWS);
+    const std::vector<float> by1_rows = decode_fresh(make_ctx(model, type), toks, N_PROMPT, 1, nullptr, N_ROWS);
+    const std::vector<float> whole = last_row(res.rows, n_vocab);
+    const std::vector<float> by32  = last_row(decode_fresh(make_ctx(model, type), toks, N_PROMPT, 32, nullptr, N_ROWS), n_vocab);
+    const std::vector<float> by1   = last_row(by1_rows, n_vocab);
+    rep.check(!whole.empty() && res.rows.size() == N_ROWS * n_vocab, "%s decodes a %d-token prompt", tn, N_PROMPT);
     res.whole = whole;
     rep.check(rel_diff(by32, whole) <= split_bound, "%s ubatch 32 vs one ubatch: max rel logit diff %.2e <= %.0e",
         tn, rel_diff(by32, whole), split_bound);
@@ -115,11 +126,9 @@ type_result test_type(report & rep, llama_model * model, const std::vector<llama
     } else {
         // In a quantized cache a last-bit difference between the kernels flips codes of later
         // rows: a fresh draw of quantization noise, judged like the buffer's splits by the mean
-        // KL to f16 over the last 64 tokens
-        const size_t n_vocab = (size_t) llama_vocab_n_tokens(llama_model_get_vocab(model));
-        const int n_out = (int) (f16_rows->size() / n_vocab);
-        const double kl_whole = kl_mean(*f16_rows, decode_fresh(make_ctx(model, type), toks, N_PROMPT, N_PROMPT, nullptr, n_out), n_vocab);
-        const double kl_by1   = kl_mean(*f16_rows, decode_fresh(make_ctx(model, type), toks, N_PROMPT, 1, nullptr, n_out), n_vocab);
+        // KL to f16 over the last N_ROWS tokens
+        const double kl_whole = kl_mean(*f16_rows, res.rows, n_vocab);
+        const double kl_by1   = kl_mean(*f16_rows, by1_rows, n_vocab);
         rep.check(kl_by1 <= 2.0 * kl_whole, "%s token by token vs one ubatch: mean KL to f16 %.2e <= 2 x %.2e (max rel logit diff %.2e)",
             tn, kl_by1, kl_whole, rel_diff(by1, whole));
     }
@@ -1058,11 +1067,8 @@ int main(int argc, char ** argv) {
     rep.check(n >= 300, "prompt has %d tokens", n);
     if (n >= 100) {
         const type_result ref = test_type(rep, model, toks, GGML_TYPE_F16);
-        const size_t n_vocab = (size_t) llama_vocab_n_tokens(llama_model_get_vocab(model));
-        const std::vector<float> f16_rows = decode_fresh(make_ctx(model, GGML_TYPE_F16), toks, N_PROMPT, N_PROMPT, nullptr, 64);
-        rep.check(f16_rows.size() == 64 * n_vocab, "f16 gives the last 64 tokens' logits");
         for (ggml_type t : { GGML_TYPE_KVC8, GGML_TYPE_KVC4, GGML_TYPE_KVC3 }) {
-            const type_result r = test_type(rep, model, toks, t, &f16_rows);
+            const type_result r = test_type(rep, model, toks, t, &ref.rows);
             // the shifted keys get one more rounding (about sqrt(2) more error); a shift that
             // rotates wrongly lands near 1 on this max-logit metric
             const double plain = rel_diff(r.whole, ref.whole);
