@@ -154,19 +154,26 @@ void llama_kvcomp_buffer::slot_norms(int32_t ib, std::vector<float> & k_l2, std:
     if (!buffered) {
         return;
     }
+    // one read and one conversion per stream's slots, as the monitor refreshes during decoding
+    std::vector<ggml_fp16_t> raw;
+    std::vector<float> rows;
     const auto norms = [&](const ggml_tensor * t, std::vector<float> & out) {
         const int64_t n = t->ne[0], d = n / (int64_t) out.size();
-        std::vector<ggml_fp16_t> raw(n);
+        raw.resize((size_t) n * n_slots());
+        rows.resize(raw.size());
         std::vector<double> acc(out.size(), 0.0);
         for (size_t st = 0; st < maps.size(); ++st) {
+            ggml_backend_tensor_get(t, raw.data(), st * n_rows() * t->nb[1], n_slots() * t->nb[1]);
+            ggml_fp16_to_fp32_row(raw.data(), rows.data(), (int64_t) rows.size());
             for (uint32_t s = 0; s < n_slots(); ++s) {
                 if (maps[st].slot_kinds[s] == SLOT_KIND_FREE || maps[st].slot_kinds[s] == SLOT_KIND_SPARE) {
                     continue;
                 }
-                ggml_backend_tensor_get(t, raw.data(), (st * n_rows() + s) * t->nb[1], t->nb[1]);
-                for (int64_t i = 0; i < n; ++i) {
-                    const double x = ggml_fp16_to_fp32(raw[i]);
-                    acc[i / d] += x * x;
+                const float * x = rows.data() + (size_t) s * n;
+                for (size_t h = 0; h < out.size(); ++h) {
+                    for (int64_t i = (int64_t) h * d; i < (int64_t) (h + 1) * d; ++i) {
+                        acc[h] += (double) x[i] * x[i];
+                    }
                 }
             }
         }

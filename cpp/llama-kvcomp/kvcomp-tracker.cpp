@@ -237,16 +237,49 @@ void llama_kvcomp_tracker::fold(std::vector<update_stats> & win, const float * r
     }
 }
 
-// The q-quantile from the top of a set of n samples, given each update's two extreme values:
-// with n <= 1000 * 2 it is among them.
-static float extreme_quantile(std::vector<float> & cand, size_t n, bool top) {
-    const size_t k = std::min(cand.size() - 1, (size_t) std::floor((1.0 - KVCOMP_QUANTILE) * (double) n));
-    if (top) {
-        std::nth_element(cand.begin(), cand.begin() + k, cand.end(), std::greater<float>());
-    } else {
-        std::nth_element(cand.begin(), cand.begin() + k, cand.end());
+// The q-quantile from the top (or bottom) of a set of n samples, given each update's two
+// extreme values per channel: with n <= 1000 * 2 it is among them. The candidates are walked
+// in place with a heap of the k + 1 most extreme: k = floor((1 - q) n) is 0 for a decode
+// window and at most a few hundred for a window of prompts, where a copy and a selection over
+// every candidate cost a step's worth of time (per channel of every layer, every
+// KVCOMP_RECOMPUTE updates). Non-finite candidates are skipped; none left gives 0.
+namespace {
+struct extreme_select {
+    std::vector<float> heap;
+
+    // win: a window of the tracker's update_stats
+    template <bool top, typename window>
+    float run(const window & win, int64_t i0, int64_t i1, size_t n) {
+        const size_t cap = (size_t) std::floor((1.0 - KVCOMP_QUANTILE) * (double) n) + 1;
+        // ordered by this, a heap's front is the least extreme it keeps: the answer once it is full
+        const auto more_extreme = [](float a, float b) { return top ? a > b : a < b; };
+        heap.clear();
+        for (const auto & u : win) {
+            if (u.n == 0) {
+                continue;
+            }
+            const std::vector<float> & e1 = top ? u.hi1 : u.lo1;
+            const std::vector<float> & e2 = top ? u.hi2 : u.lo2;
+            for (int64_t i = i0; i < i1; ++i) {
+                for (float v : { e1[i], e2[i] }) {
+                    if (!std::isfinite(v)) {
+                        continue;
+                    }
+                    if (heap.size() < cap) {
+                        heap.push_back(v);
+                        std::push_heap(heap.begin(), heap.end(), more_extreme);
+                    } else if (more_extreme(v, heap.front())) {
+                        std::pop_heap(heap.begin(), heap.end(), more_extreme);
+                        heap.back() = v;
+                        std::push_heap(heap.begin(), heap.end(), more_extreme);
+                    }
+                }
+            }
+        }
+        // fewer candidates than cap: the least extreme of them all, as a selection over them gives
+        return heap.empty() ? 0.0f : heap.front();
     }
-    return cand[k];
+};
 }
 
 void llama_kvcomp_tracker::recompute(layer_state & l) {
@@ -258,23 +291,33 @@ void llama_kvcomp_tracker::recompute(layer_state & l) {
     if (n == 0) {
         return;
     }
-    std::vector<float> hi(l.n_embd_k), lo(l.n_embd_k), cand_hi, cand_lo;
-    for (int64_t i = 0; i < l.n_embd_k; ++i) {
-        cand_hi.clear();
-        cand_lo.clear();
+    extreme_select sel;
+    std::vector<float> hi(l.n_embd_k), lo(l.n_embd_k);
+    if ((1.0 - KVCOMP_QUANTILE) * (double) n < 1.0) {
+        // the quantile is the extreme itself (a window of decode steps): one pass per update
+        // over every channel, which vectorizes, in place of a selection per channel
+        hi.assign(l.n_embd_k, -INFINITY);
+        lo.assign(l.n_embd_k, INFINITY);
         for (const auto & u : l.k_win) {
             if (u.n == 0) {
                 continue;
             }
-            for (float v : { u.hi1[i], u.hi2[i] }) {
-                if (std::isfinite(v)) cand_hi.push_back(v);
-            }
-            for (float v : { u.lo1[i], u.lo2[i] }) {
-                if (std::isfinite(v)) cand_lo.push_back(v);
+            for (int64_t i = 0; i < l.n_embd_k; ++i) {
+                // an update's first value is its extreme; non-finite ones (none seen) are skipped
+                const float h = u.hi1[i], w = u.lo1[i];
+                hi[i] = std::isfinite(h) && h > hi[i] ? h : hi[i];
+                lo[i] = std::isfinite(w) && w < lo[i] ? w : lo[i];
             }
         }
-        hi[i] = cand_hi.empty() ? 0.0f : extreme_quantile(cand_hi, n, true);
-        lo[i] = cand_lo.empty() ? 0.0f : extreme_quantile(cand_lo, n, false);
+        for (int64_t i = 0; i < l.n_embd_k; ++i) {
+            hi[i] = std::isfinite(hi[i]) ? hi[i] : 0.0f;
+            lo[i] = std::isfinite(lo[i]) ? lo[i] : 0.0f;
+        }
+    } else {
+        for (int64_t i = 0; i < l.n_embd_k; ++i) {
+            hi[i] = sel.run<true>(l.k_win, i, i + 1, n);
+            lo[i] = sel.run<false>(l.k_win, i, i + 1, n);
+        }
     }
 
     // V per head, from its channels' extremes
@@ -285,23 +328,9 @@ void llama_kvcomp_tracker::recompute(layer_state & l) {
         nv += u.n;
     }
     for (int64_t h = 0; h < n_head_v && nv > 0; ++h) {
-        cand_hi.clear();
-        cand_lo.clear();
-        for (const auto & u : l.v_win) {
-            if (u.n == 0) {
-                continue;
-            }
-            for (int64_t i = h * l.n_embd_head_v; i < (h + 1) * l.n_embd_head_v; ++i) {
-                for (float v : { u.hi1[i], u.hi2[i] }) {
-                    if (std::isfinite(v)) cand_hi.push_back(v);
-                }
-                for (float v : { u.lo1[i], u.lo2[i] }) {
-                    if (std::isfinite(v)) cand_lo.push_back(v);
-                }
-            }
-        }
-        vhi[h] = cand_hi.empty() ? 0.0f : extreme_quantile(cand_hi, nv * l.n_embd_head_v, true);
-        vlo[h] = cand_lo.empty() ? 0.0f : extreme_quantile(cand_lo, nv * l.n_embd_head_v, false);
+        const int64_t i0 = h * l.n_embd_head_v;
+        vhi[h] = sel.run<true>(l.v_win, i0, i0 + l.n_embd_head_v, nv * l.n_embd_head_v);
+        vlo[h] = sel.run<false>(l.v_win, i0, i0 + l.n_embd_head_v, nv * l.n_embd_head_v);
     }
 
     const auto smooth = [&](std::vector<float> & ema, const std::vector<float> & x) {
