@@ -5,6 +5,7 @@
 #include "ggml-common.h"
 
 #include "kvc-cpu.h"
+#include "ggml-cpu.h"
 #include "kvc-simd.h"
 #include "quants.h"
 #include "vec.h"
@@ -73,6 +74,22 @@ void quantize_row_kvc3(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, in
 
 void quantize_row_kvc2(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
     kvc_quantize_row_lowbit(GGML_TYPE_KVC2, x, y, k, KVC_SUB_ERRORS);
+}
+
+ggml_from_float_t ggml_kvc_cpu_get_from_float(enum ggml_type type) {
+    return ggml_get_type_traits_cpu(type)->from_float;
+}
+
+void * ggml_kvc_cpu_get_proc_address(const char * name) {
+    // a union: ISO C has no cast from a function pointer to void *
+    union {
+        ggml_kvc_cpu_get_from_float_t fn;
+        void * p;
+    } get = { ggml_kvc_cpu_get_from_float };
+    if (strcmp(name, "ggml_kvc_cpu_get_from_float") == 0) {
+        return get.p;
+    }
+    return NULL;
 }
 
 // Shared head of every vec_dot: one row pair, blocks aligned with q8_0's.

@@ -32,6 +32,8 @@ GGML_KVCOMP_DECLARE_VEC_DOT(kvc2)
 // for every other type.
 GGML_BACKEND_API ggml_to_float_t ggml_kvc_cpu_get_to_float(enum ggml_type type);
 
+struct ggml_compute_params;
+
 // FLASH_ATTN_EXT on the CPU when it reads a kvc cache or a second, exact source
 // (ggml_flash_attn_ext_add_exact), kvc-fattn.cpp: a decode kernel that splits the keys of all
 // sources over the threads and reads each packed row once for all query heads of its KV head,
@@ -39,8 +41,22 @@ GGML_BACKEND_API ggml_to_float_t ggml_kvc_cpu_get_to_float(enum ggml_type type);
 // whole cache) and multiplies them as upstream's tiled F16 path does. params->use_ref selects
 // the scalar reference of both. Returns false, having done nothing, for a node that reads
 // neither (upstream's kernels run it).
-struct ggml_compute_params;
 GGML_BACKEND_API bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+
+// SET_ROWS into a kvc cache, kvc-set-rows.c: the blocks of all rows are split over the
+// threads (one new row per stream is a decode step's write). Returns false, having done
+// nothing, for any other destination type. ggml_kvc_cpu_n_tasks gives such a node every
+// thread and any other node `n_tasks` (upstream's count).
+GGML_BACKEND_API bool ggml_kvc_cpu_set_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+GGML_BACKEND_API int  ggml_kvc_cpu_n_tasks(const struct ggml_tensor * node, int n_threads, int n_tasks);
+
+// The CPU backend's quantizer of a type (ggml_get_type_traits_cpu's from_float: SIMD where
+// the build has it, the same bytes as from_float_ref), for code that reaches the backend
+// through the registry: ggml_backend_reg_get_proc_address(cpu, "ggml_kvc_cpu_get_from_float").
+typedef ggml_from_float_t (*ggml_kvc_cpu_get_from_float_t)(enum ggml_type type);
+GGML_BACKEND_API ggml_from_float_t ggml_kvc_cpu_get_from_float(enum ggml_type type);
+// ggml-cpu's get_proc_address asks here first: the entries above by name, else NULL.
+GGML_BACKEND_API void * ggml_kvc_cpu_get_proc_address(const char * name);
 
 // Entries for ggml-cpu.c's type_traits_cpu table.
 #define GGML_KVCOMP_CPU_TYPE_TRAIT(name, NAME)             \

@@ -2,6 +2,7 @@
 
 #include "llama-impl.h"
 #include "llama-io.h"
+#include "kvc-cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -52,6 +53,17 @@ const llama_kvcomp_tracker * llama_kvcomp_tracker::of_layer(const ggml_tensor * 
     return it->second.first;
 }
 
+// measure() quantizes a row of every layer every KVCOMP_RECOMPUTE updates: with the CPU
+// backend's quantizer (the same bytes as the reference, SIMD where the build has it) it is a
+// small part of the step it runs in, with the scalar reference a large one.
+static ggml_from_float_t k_quantizer(ggml_type type) {
+    ggml_backend_reg_t cpu = ggml_backend_reg_by_name("CPU");
+    const auto get = cpu ? (ggml_kvc_cpu_get_from_float_t) ggml_backend_reg_get_proc_address(cpu, "ggml_kvc_cpu_get_from_float")
+                         : nullptr;
+    ggml_from_float_t q = get ? get(type) : nullptr;
+    return q ? q : ggml_get_type_traits(type)->from_float_ref;
+}
+
 llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params,
                                            uint32_t n_stream, uint32_t n_ubatch)
     : params(params), n_stream(n_stream) {
@@ -79,6 +91,7 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         l.k_err_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
         l.k_energy_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
         l.c.assign((size_t) n_stream * l.n_embd_k, 0.0f);
+        l.k_quantize = k_quantizer(kl.k->type);
         store.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, l.n_embd_k, n_store_rows()));
         ggml_format_name(store.back(), "kvcomp_store_l%u", kl.il);
     }
@@ -260,6 +273,17 @@ struct extreme_select {
             }
             const std::vector<float> & e1 = top ? u.hi1 : u.lo1;
             const std::vector<float> & e2 = top ? u.hi2 : u.lo2;
+            if (heap.size() == cap) {
+                // an update none of whose extremes passes the heap's front adds nothing; fold()
+                // keeps e1 at least as extreme as e2 and never NaN, so e1's extreme decides
+                float m = e1[i0];
+                for (int64_t i = i0 + 1; i < i1; ++i) {
+                    m = more_extreme(e1[i], m) ? e1[i] : m;
+                }
+                if (!more_extreme(m, heap.front())) {
+                    continue;
+                }
+            }
             for (int64_t i = i0; i < i1; ++i) {
                 for (float v : { e1[i], e2[i] }) {
                     if (!std::isfinite(v)) {
@@ -303,10 +327,10 @@ void llama_kvcomp_tracker::recompute(layer_state & l) {
                 continue;
             }
             for (int64_t i = 0; i < l.n_embd_k; ++i) {
-                // an update's first value is its extreme; non-finite ones (none seen) are skipped
-                const float h = u.hi1[i], w = u.lo1[i];
-                hi[i] = std::isfinite(h) && h > hi[i] ? h : hi[i];
-                lo[i] = std::isfinite(w) && w < lo[i] ? w : lo[i];
+                // an update's first value is its extreme: finite, or an infinity when it saw
+                // no finite value, which the comparisons and the test below leave out
+                hi[i] = std::max(hi[i], u.hi1[i]);
+                lo[i] = std::min(lo[i], u.lo1[i]);
             }
         }
         for (int64_t i = 0; i < l.n_embd_k; ++i) {
@@ -371,7 +395,7 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, const 
             if (k_main->type == GGML_TYPE_F32) {
                 y = x;
             } else {
-                tt->from_float_ref(x.data(), q.data(), n);
+                l.k_quantize(x.data(), q.data(), n);
                 tt->to_float(q.data(), y.data(), n);
             }
             for (int64_t i = 0; i < n; ++i) {

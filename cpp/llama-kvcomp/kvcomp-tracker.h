@@ -132,6 +132,7 @@ private:
         std::vector<float> k_hi, k_lo, v_hi, v_lo;
         bool    warm = false;
         std::vector<float> c; // offsets in use (host copy), n_embd_k per stream
+        ggml_from_float_t k_quantize = nullptr; // k_main's quantizer (measure)
         // running round-trip error sums of the sampled K rows: as stored (offset removed) and
         // as they came; and the rows' energy
         double  k_err = 0.0, k_err_plain = 0.0, k_energy = 0.0;

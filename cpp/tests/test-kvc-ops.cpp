@@ -64,29 +64,58 @@ void fill(ggml_tensor * t, const std::vector<float> & v) {
     memcpy(t->data, v.data(), ggml_nbytes(t));
 }
 
+// SET_ROWS splits the blocks of all rows over the threads (kvc-set-rows.c): one row over 3
+// threads, several rows over 1 and 3, from F32 and F16 sources, I64 and I32 indices; the
+// bytes must be the reference quantizer's wherever the block boundaries fall.
 void test_set_get_rows(report & rep, ggml_type type, int d) {
     const int n_src = 7;
     const int n_dst = 16;
     graph_ctx g(64 * 1024 * 1024);
     const auto x = make_rows(dist::gaussian, n_src, d, 11 + d);
-
-    ggml_tensor * src = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, d, n_src);
-    ggml_tensor * dst = ggml_new_tensor_2d(g.ctx, type, d, n_dst);
-    ggml_tensor * idx = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I64, n_src);
-    fill(src, x);
-    memset(dst->data, 0, ggml_nbytes(dst));
-    const int64_t rows[n_src] = { 3, 0, 15, 8, 9, 1, 12 };
-    memcpy(idx->data, rows, sizeof(rows));
-
-    g.compute(ggml_set_rows(g.ctx, dst, src, idx));
-
-    const auto ref = quantize_ref(type, x, d);
-    const size_t rs = ggml_row_size(type, d);
-    bool same = true;
-    for (int r = 0; r < n_src; ++r) {
-        same &= memcmp((uint8_t *) dst->data + rows[r] * rs, ref.data() + r * rs, rs) == 0;
+    std::vector<float> x16(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+        x16[i] = ggml_fp16_to_fp32(ggml_fp32_to_fp16(x[i]));
     }
-    rep.check(same, "SET_ROWS  %s d=%3d bytes equal quantize_row_%s_ref", ggml_type_name(type), d, ggml_type_name(type));
+    const int64_t rows[n_src] = { 3, 0, 15, 8, 9, 1, 12 };
+    const size_t rs = ggml_row_size(type, d);
+
+    ggml_tensor * dst = ggml_new_tensor_2d(g.ctx, type, d, n_dst);
+    for (ggml_type ts : { GGML_TYPE_F32, GGML_TYPE_F16 }) {
+        const auto ref = quantize_ref(type, ts == GGML_TYPE_F32 ? x : x16, d);
+        for (ggml_type ti : { GGML_TYPE_I64, GGML_TYPE_I32 }) {
+            for (int n : { 1, n_src }) {
+                for (int n_threads : { 1, 3 }) {
+                    ggml_tensor * src = ggml_new_tensor_2d(g.ctx, ts, d, n);
+                    ggml_tensor * idx = ggml_new_tensor_1d(g.ctx, ti, n);
+                    for (int r = 0; r < n; ++r) {
+                        for (int i = 0; i < d; ++i) {
+                            const float v = x[(size_t) r * d + i];
+                            if (ts == GGML_TYPE_F32) {
+                                ((float *) src->data)[(size_t) r * d + i] = v;
+                            } else {
+                                ((ggml_fp16_t *) src->data)[(size_t) r * d + i] = ggml_fp32_to_fp16(v);
+                            }
+                        }
+                        if (ti == GGML_TYPE_I64) {
+                            ((int64_t *) idx->data)[r] = rows[r];
+                        } else {
+                            ((int32_t *) idx->data)[r] = (int32_t) rows[r];
+                        }
+                    }
+                    memset(dst->data, 0, ggml_nbytes(dst));
+                    g.compute(ggml_set_rows(g.ctx, dst, src, idx), n_threads);
+                    bool same = true;
+                    for (int r = 0; r < n; ++r) {
+                        same &= memcmp((uint8_t *) dst->data + rows[r] * rs, ref.data() + r * rs, rs) == 0;
+                    }
+                    rep.check(same, "SET_ROWS  %s d=%3d from %s, %s idx, %d rows, %d threads: bytes equal quantize_row_%s_ref",
+                              ggml_type_name(type), d, ggml_type_name(ts), ggml_type_name(ti), n, n_threads, ggml_type_name(type));
+                }
+            }
+        }
+    }
+    // the rows of the last case stay for GET_ROWS (F16 source: the reference of the rounded rows)
+    const auto ref = quantize_ref(type, x16, d);
 
     ggml_tensor * gidx = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I32, n_src);
     for (int r = 0; r < n_src; ++r) {
