@@ -81,13 +81,20 @@ ggml_from_float_t ggml_kvc_cpu_get_from_float(enum ggml_type type) {
 }
 
 void * ggml_kvc_cpu_get_proc_address(const char * name) {
-    // a union: ISO C has no cast from a function pointer to void *
+    // unions: ISO C has no cast from a function pointer to void *
     union {
         ggml_kvc_cpu_get_from_float_t fn;
         void * p;
     } get = { ggml_kvc_cpu_get_from_float };
+    union {
+        void (*fn)(const ggml_fp16_t *, float *, int64_t);
+        void * p;
+    } fp16 = { ggml_cpu_fp16_to_fp32 };
     if (strcmp(name, "ggml_kvc_cpu_get_from_float") == 0) {
         return get.p;
+    }
+    if (strcmp(name, "ggml_cpu_fp16_to_fp32") == 0) {
+        return fp16.p;
     }
     return NULL;
 }

@@ -155,6 +155,9 @@ void llama_kvcomp_buffer::slot_norms(int32_t ib, std::vector<float> & k_l2, std:
         return;
     }
     // one read and one conversion per stream's slots, as the monitor refreshes during decoding
+    using to_f32_t = void (*)(const ggml_fp16_t *, float *, int64_t);
+    static const to_f32_t cpu_to_f32 = (to_f32_t) llama_kvcomp_cpu_proc("ggml_cpu_fp16_to_fp32");
+    const to_f32_t to_f32 = cpu_to_f32 ? cpu_to_f32 : ggml_fp16_to_fp32_row;
     std::vector<ggml_fp16_t> raw;
     std::vector<float> rows;
     const auto norms = [&](const ggml_tensor * t, std::vector<float> & out) {
@@ -164,7 +167,7 @@ void llama_kvcomp_buffer::slot_norms(int32_t ib, std::vector<float> & k_l2, std:
         std::vector<double> acc(out.size(), 0.0);
         for (size_t st = 0; st < maps.size(); ++st) {
             ggml_backend_tensor_get(t, raw.data(), st * n_rows() * t->nb[1], n_slots() * t->nb[1]);
-            ggml_fp16_to_fp32_row(raw.data(), rows.data(), (int64_t) rows.size());
+            to_f32(raw.data(), rows.data(), (int64_t) rows.size());
             for (uint32_t s = 0; s < n_slots(); ++s) {
                 if (maps[st].slot_kinds[s] == SLOT_KIND_FREE || maps[st].slot_kinds[s] == SLOT_KIND_SPARE) {
                     continue;

@@ -193,7 +193,7 @@ private:
 
     // I64: the slot rows of the rows the tracker stores again
     ggml_tensor * reencode_slots = nullptr;
-    char graph_ids[3] = {};
+    char graph_ids[4] = {};
 
     // per slot row: the RoPE shift of its cell, for build_shift
     ggml_tensor * shift_input = nullptr;

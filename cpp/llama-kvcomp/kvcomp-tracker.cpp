@@ -56,10 +56,13 @@ const llama_kvcomp_tracker * llama_kvcomp_tracker::of_layer(const ggml_tensor * 
 // measure() quantizes a row of every layer every KVCOMP_RECOMPUTE updates: with the CPU
 // backend's quantizer (the same bytes as the reference, SIMD where the build has it) it is a
 // small part of the step it runs in, with the scalar reference a large one.
-static ggml_from_float_t k_quantizer(ggml_type type) {
+void * llama_kvcomp_cpu_proc(const char * name) {
     ggml_backend_reg_t cpu = ggml_backend_reg_by_name("CPU");
-    const auto get = cpu ? (ggml_kvc_cpu_get_from_float_t) ggml_backend_reg_get_proc_address(cpu, "ggml_kvc_cpu_get_from_float")
-                         : nullptr;
+    return cpu ? ggml_backend_reg_get_proc_address(cpu, name) : nullptr;
+}
+
+static ggml_from_float_t k_quantizer(ggml_type type) {
+    const auto get = (ggml_kvc_cpu_get_from_float_t) llama_kvcomp_cpu_proc("ggml_kvc_cpu_get_from_float");
     ggml_from_float_t q = get ? get(type) : nullptr;
     return q ? q : ggml_get_type_traits(type)->from_float_ref;
 }
@@ -174,12 +177,19 @@ ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor *
     // its block (the mean of those rows when they are complete now, else the c it holds, or 0)
     // and written back to it.
     // A value that is not finite (a model's NaN) is 0, as the quantizer takes it without a
-    // tracker (docs/formats.md), both in c and in the row stored as k - c: relu(x) - relu(-x)
-    // is x for every finite x and 0 for NaN, and the clamp to F16's range bounds an infinity.
+    // tracker (docs/formats.md), both in c and in the row stored as k - c: leaky_relu with
+    // slope 1, (x > 0 ? x : 0) + (x < 0 ? x : 0), is x for every finite x and 0 for NaN, and
+    // the clamp to F16's range bounds an infinity.
     // One NaN would otherwise make c, and so every later key of the stream, NaN (stored as
     // zeros), and a NaN row would be stored as k = c instead of k = 0.
-    ggml_tensor * finite = ggml_clamp(ctx0, ggml_sub(ctx0, ggml_relu(ctx0, cur), ggml_relu(ctx0, ggml_neg(ctx0, cur))),
-            -65504.0f, 65504.0f);
+    ggml_tensor * finite = ggml_clamp(ctx0, ggml_leaky_relu(ctx0, cur, 1.0f, false), -65504.0f, 65504.0f);
+    if (steady && np == (int64_t) n_planes) {
+        // every plane's c is fixed (set, or 0) and its row of the store holds it: read there,
+        // without making it again (a node costs a barrier of every thread in a decode step)
+        ggml_tensor * c_rows = ggml_view_3d(ctx0, tapped, ne0, 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1), row_c(plane_strm0) * nb1);
+        ggml_tensor * x = ggml_view_3d(ctx0, finite, ne0, ntp, np, finite->nb[1], finite->nb[1] * ntp, 0);
+        return ggml_reshape_2d(ctx0, ggml_sub(ctx0, x, c_rows), ne0, n_tok);
+    }
     ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, n_store_rows(), nb1, 0);
     all = ggml_set_rows(ctx0, all, finite, ggml_view_1d(ctx0, copy_idx, n_tok, 0));
     ggml_tensor * blocks = ggml_view_3d(ctx0, all, ne0, KVCOMP_CALIB_N + 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1),
@@ -444,9 +454,10 @@ void llama_kvcomp_tracker::resolve() const {
 
 void llama_kvcomp_tracker::on_shift() {
     // the copies are of rows at their old positions, under their old rotation
-    for (auto & ss : streams) {
-        if (ss.status == CALIB_STATUS_PENDING) {
-            ss.status = CALIB_STATUS_NONE;
+    for (uint32_t strm = 0; strm < n_stream; ++strm) {
+        if (streams[strm].status == CALIB_STATUS_PENDING) {
+            streams[strm].status = CALIB_STATUS_NONE;
+            write_offsets(strm);
         }
     }
 }
@@ -551,6 +562,8 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
     const uint32_t ntp = sinfo.size();
     std::vector<float>   w((size_t) (KVCOMP_CALIB_N + 1) * n_stream, 0.0f);
     std::vector<int64_t> idx(ubatch.n_tokens, row_trash());
+    std::vector<uint32_t> zero;
+    steady = true;
     old_rows.clear();
     old_raw_h.clear();
     old_plane_h.clear();
@@ -568,12 +581,16 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
             for (auto & l : layers) {
                 std::fill(l.c.begin() + (size_t) strm * l.n_embd_k, l.c.begin() + (size_t) (strm + 1) * l.n_embd_k, 0.0f);
             }
+            zero.push_back(strm);
         }
         if (ss.status == CALIB_STATUS_PENDING && !params.tracker) {
             ss.status = CALIB_STATUS_NONE;
         }
         float * wp = w.data() + (size_t) p * (KVCOMP_CALIB_N + 1);
         if (ss.status == CALIB_STATUS_PENDING) {
+            // this graph makes the plane's c: 0 while its first rows come in, their mean once
+            // they are all in
+            steady = false;
             bool all_first = true;
             for (uint32_t i = i0; i < i0 + ntp; ++i) {
                 const llama_pos d = ubatch.pos[i] - ss.p0;
@@ -609,6 +626,14 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
             wp[KVCOMP_CALIB_N] = 1.0f;
         }
     }
+    // A stream that starts over may hold the last sequence's c in its store row until a
+    // graph makes its c again: one that is fixed at 0 now gets the 0 there (l.c) at once.
+    for (uint32_t strm : zero) {
+        if (streams[strm].status == CALIB_STATUS_NONE) {
+            write_offsets(strm);
+        }
+    }
+    steady = steady && old_rows.empty();
     if (w != w_host) {
         ggml_backend_tensor_set(weights, w.data(), 0, w.size() * sizeof(float));
         w_host = w;
@@ -791,6 +816,7 @@ std::vector<std::vector<std::vector<float>>> llama_kvcomp_tracker::state_read(ll
         // first rows now holds rows it has no copy of.
         if (ss.status == CALIB_STATUS_PENDING) {
             ss.status = CALIB_STATUS_NONE;
+            write_offsets(t.strm);
         }
         bool same = true;
         for (uint32_t ib = 0; ib < n_layers && same; ++ib) {

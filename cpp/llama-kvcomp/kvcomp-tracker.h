@@ -22,6 +22,10 @@
 #include <cstdint>
 #include <vector>
 
+// A function of the CPU backend by name (cpp/ggml-kvcomp/kvc-cpu.h,
+// ggml_kvc_cpu_get_proc_address), nullptr without one.
+void * llama_kvcomp_cpu_proc(const char * name);
+
 class llama_io_read_i;
 class llama_io_write_i;
 struct llama_ubatch;
@@ -55,9 +59,10 @@ struct llama_kvcomp_tracker {
     const std::vector<uint64_t> & reencode_list() const { return old_rows; }
     uint32_t n_reencode() const { return (uint32_t) old_rows.size(); }
     uint32_t n_reencode_max() const { return n_stream * KVCOMP_CALIB_N; }
-    // 0 for the graphs of one shape; a graph that stores rows again is 1 or 2, never the
-    // same as the graph before it
-    uint32_t graph_variant() const { return old_rows.empty() ? 0 : 1 + (uint32_t) (n_setups % 2); }
+    // 0 for the graphs of one shape that make some stream's c, 3 for those whose every c is
+    // fixed (a decode step once the first rows are in); a graph that stores rows again is 1
+    // or 2, never the same as the graph before it
+    uint32_t graph_variant() const { return old_rows.empty() ? (steady ? 3 : 0) : 1 + (uint32_t) (n_setups % 2); }
 
     // Host side, before each ubatch's graph (after upstream placed it: sinfo, and the cells of
     // every stream): folds the last ubatch's rows into the statistics and sets up what this
@@ -186,6 +191,8 @@ private:
     uint32_t n_planes = 1;
     uint32_t plane_strm0 = 0;
     std::vector<uint64_t> old_rows;
+    // no plane of this ubatch makes its c (none collects its first rows, none stores rows again)
+    bool steady = false;
     std::vector<int32_t>  old_raw_h, old_plane_h;
     // host copies of the inputs last written (most ubatches write the same ones)
     std::vector<float>   w_host;
