@@ -21,6 +21,8 @@
 #include "ggml-cpu.h"
 #include "common.h"
 #include "simd-gemm.h"
+#include "quants.h"
+#include "ggml-quants.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -273,7 +275,22 @@ struct dec_state {
     float M[KVC_DEC_GROUP];
     float S[KVC_DEC_GROUP];
     float acc[KVC_DEC_GROUP][KVC_DEC_MAX_D];
+    // the queries rounded to q8_0, for the integer dot products with packed kvc K rows
+    block_q8_0 q8[KVC_DEC_GROUP][KVC_DEC_MAX_D / QK8_0];
 };
+
+typedef void (*kvc_vec_dot_t)(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                              const void * GGML_RESTRICT vy, size_t by, int nrc);
+
+kvc_vec_dot_t get_kvc_vec_dot(ggml_type t, bool ref) {
+    switch (t) {
+        case GGML_TYPE_KVC8: return ref ? ggml_vec_dot_kvc8_q8_0_generic : ggml_vec_dot_kvc8_q8_0;
+        case GGML_TYPE_KVC4: return ref ? ggml_vec_dot_kvc4_q8_0_generic : ggml_vec_dot_kvc4_q8_0;
+        case GGML_TYPE_KVC3: return ref ? ggml_vec_dot_kvc3_q8_0_generic : ggml_vec_dot_kvc3_q8_0;
+        case GGML_TYPE_KVC2: return ref ? ggml_vec_dot_kvc2_q8_0_generic : ggml_vec_dot_kvc2_q8_0;
+        default:             return nullptr;
+    }
+}
 
 // Keys [j0, j1) of source `is` (local indices; mask column off + j) for the gn query heads
 // (qf, mp, slopes) of KV head hk in stream s.
@@ -284,6 +301,7 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
     const bool ref = a.ref;
     const row_to_f32_t k_to_f32 = get_row_to_f32(K.type, ref);
     const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref);
+    const kvc_vec_dot_t k_dot    = get_kvc_vec_dot(K.type, ref);
     const int64_t DK = a.DK, DV = a.DV;
     const bool shared_mask = !a.mask || (a.mask->ne[2] == 1 && a.max_bias <= 0.0f);
 
@@ -305,8 +323,20 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
             if (!any) {
                 continue;
             }
-            // decoded once for all heads, and dotted in F32 as the prompt kernel does, so a
-            // token decoded alone scores its keys as it would inside a prompt
+            if (k_dot) {
+                // A packed row meets the query rounded to q8_0 in integers, as upstream scores
+                // its quantized K caches: no F32 copy of the row, a third of the work of one
+                // (the prompt kernel keeps F32 queries; test-kvc-llama bounds what they differ).
+                for (int64_t g = 0; g < gn; ++g) {
+                    if (sc[g][j] != -INFINITY) {
+                        float d;
+                        k_dot((int) DK, &d, 0, K.row(t0 + j, hk, s), 0, st.q8[g], 0, 1);
+                        sc[g][j] = a.score(d, sc[g][j]);
+                    }
+                }
+                continue;
+            }
+            // decoded once for all heads
             k_to_f32(K.row(t0 + j, hk, s), kt, DK);
             for (int64_t g = 0; g < gn; ++g) {
                 if (sc[g][j] != -INFINITY) {
@@ -375,6 +405,10 @@ void dec_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, 
     const ggml_fp16_t * mp[KVC_DEC_GROUP] = {};
     float               slopes[KVC_DEC_GROUP] = {};
     dec_state           st;
+    bool                q8 = false;
+    for (int is = 0; is < KVC_FA_N_SRC; ++is) {
+        q8 |= a.k[is].n > 0 && is_kvc(a.k[is].type);
+    }
 
     for (int64_t g = 0; g < gn; ++g) {
         const int64_t h = h0 + g;
@@ -384,6 +418,11 @@ void dec_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, 
         st.M[g]   = -INFINITY;
         st.S[g]   = 0.0f;
         memset(st.acc[g], 0, a.DV * sizeof(float));
+        if (q8 && ref) {
+            quantize_row_q8_0_ref(qf[g], st.q8[g], a.DK);
+        } else if (q8) {
+            quantize_row_q8_0(qf[g], st.q8[g], a.DK);
+        }
     }
 
     // the range [c0, c1) of keys numbered across the sources
