@@ -11,7 +11,9 @@ tracker's offset does) and compares two ideal Gaussian coders at R bits per valu
 
 Their ratio is the gain in K's squared error. Attention sees K only through q.k, so the
 gain that matters for KLD weights the error by the covariance C_q of the queries that read
-the head: E[(q.e)^2] = e' C_q e. Both are bounds for Gaussian rows with that covariance;
+the head: E[(q.e)^2] = e' C_q e; before RoPE an error is turned by its key's rotation R_n on
+the way, so the weight is the mean of R_n' C_q R_n over the keys. Both are bounds for
+Gaussian rows with that covariance;
 docs/kv-rows.md has the numbers and what they mean for the 4.0-bpe target.
 
     python3 scripts/kv_rows_gain.py /tmp/rows/smollm2 --bits 4 3
@@ -65,13 +67,65 @@ def k_gain(ck: np.ndarray, bits: float) -> float:
     return float(lam.sum() * 2.0 ** (-2 * bits) / water_filling(lam, bits))
 
 
-def weighted_gain(ck: np.ndarray, q_second_moment: np.ndarray, bits: float) -> float:
-    """The gain in K's error weighted by the queries, E[(q.e)^2] = e' C_q e (C_q = E[q q'],
-    not centred: a query's mean does weigh the error)."""
-    w, v = np.linalg.eigh(q_second_moment)
+def rope_pairs(kpre: np.ndarray, kpost: np.ndarray) -> np.ndarray:
+    """The dimension pairs RoPE rotates, [pair, 2], told by the data: a rotation keeps each
+    pair's norm. Upstream pairs (2i, 2i+1) (normal) or (i, i + d/2) (NEOX)."""
+    d = kpre.shape[-1]
+    best: tuple[float, np.ndarray] | None = None
+    for pairs in (np.arange(d).reshape(-1, 2), np.stack([np.arange(d // 2), np.arange(d // 2) + d // 2], 1)):
+        npre = np.hypot(kpre[..., pairs[:, 0]], kpre[..., pairs[:, 1]])
+        npost = np.hypot(kpost[..., pairs[:, 0]], kpost[..., pairs[:, 1]])
+        err = float(np.abs(npre - npost).max() / max(float(npre.max()), 1e-30))
+        if best is None or err < best[0]:
+            best = (err, pairs)
+    assert best is not None and best[0] < 1e-3, f"no RoPE pairing keeps the norms (best {best[0] if best else None})"
+    return best[1]
+
+
+def pre_rope_weight(kpre: np.ndarray, kpost: np.ndarray, q_second_moment: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """W = mean over the keys' positions n of R_n' C_q R_n: an error e on a key before RoPE
+    reaches a query as q.(R_n e), so E[(q.R_n e)^2] = e' W e. R_n's angles are read off each
+    key (the angle its RoPE turned every pair by); rows [token, dim]."""
+    def angle(x: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.arctan2(x[:, pairs[:, 1]], x[:, pairs[:, 0]])
+        return out
+
+    a = angle(kpost) - angle(kpre)
+    c, s = np.cos(a), np.sin(a)
+    rot = np.stack([np.stack([c, -s], -1), np.stack([s, c], -1)], -2)  # [n, pair, 2, 2]: R maps pre to post
+    order = pairs.reshape(-1)
+    cq = q_second_moment[np.ix_(order, order)].reshape(len(pairs), 2, len(pairs), 2)
+    w = np.einsum("nixa,ixjy,njyb->iajb", rot, cq, rot, optimize=True) / len(kpre)
+    out = np.empty_like(q_second_moment)
+    out[np.ix_(order, order)] = w.reshape(len(order), len(order))
+    return out
+
+
+def weighted_gain_vs_post(ck: np.ndarray, weight: np.ndarray, ck_post: np.ndarray, cq_post: np.ndarray,
+                          bits: float) -> float:
+    """The gain in K's error weighted by the queries: the transform coder of rows with
+    covariance ck under the error weight `weight` (E[(q.e)^2] = e' weight e), against equal
+    bits on the rows after RoPE read by queries with second moment cq_post (what the kvc
+    types do). After RoPE the weight is C_q = E[q q'] (not centred: a query's mean does
+    weigh the error)."""
+    w, v = np.linalg.eigh(weight)
     root = v @ np.diag(np.sqrt(np.maximum(w, 0.0))) @ v.T
-    equal = np.trace(q_second_moment) * np.trace(ck) / len(ck) * 2.0 ** (-2 * bits)
+    equal = np.trace(cq_post) * np.trace(ck_post) / len(ck_post) * 2.0 ** (-2 * bits)
     return float(equal / water_filling(np.linalg.eigvalsh(root @ ck @ root), bits))
+
+
+def pair_gain_vs_post(ck: np.ndarray, weight: np.ndarray, pairs: np.ndarray, ck_post: np.ndarray,
+                      cq_post: np.ndarray, bits: float) -> float:
+    """As weighted_gain_vs_post for rows before RoPE, with the basis kept within each RoPE
+    pair (a 2x2 rotation per pair commutes with RoPE, so a kernel turns the query once per
+    key instead of multiplying by a d x d basis per key): each pair's two variances along
+    its own axes, weighted by the pair's mean weight, then bits by reverse water-filling."""
+    lam = []
+    for a, b in pairs:
+        block = ck[np.ix_([a, b], [a, b])]
+        lam.extend(np.linalg.eigvalsh(block) * 0.5 * (weight[a, a] + weight[b, b]))
+    equal = np.trace(cq_post) * np.trace(ck_post) / len(ck_post) * 2.0 ** (-2 * bits)
+    return float(equal / water_filling(np.array(lam), bits))
 
 
 def summary(g: np.ndarray) -> str:
@@ -91,21 +145,27 @@ def main() -> None:
     # per head: E[q q'] of the queries that read it, then K's covariance before and after RoPE
     cq = [[second_moment(qpost[il, h * group : (h + 1) * group].reshape(-1, hd)) for h in range(n_kv)]
           for il in range(meta["n_layer"])]
-    ck = {}
-    for kind in ("kpost", "kpre"):
-        k = load(args.prefix, kind, n_kv, meta)
-        ck[kind] = [[covariance(k[il, h]) for h in range(n_kv)] for il in range(meta["n_layer"])]
+    rows = {kind: load(args.prefix, kind, n_kv, meta) for kind in ("kpost", "kpre")}
+    ck = {kind: [[covariance(k[il, h]) for h in range(n_kv)] for il in range(meta["n_layer"])]
+          for kind, k in rows.items()}
+    # the queries' weight on a key's error before RoPE, through each key's own rotation
+    pairs = rope_pairs(rows["kpre"], rows["kpost"])
+    cw = {"kpost": cq,
+          "kpre": [[pre_rope_weight(rows["kpre"][il, h], rows["kpost"][il, h], cq[il][h], pairs) for h in range(n_kv)]
+                   for il in range(meta["n_layer"])]}
     print("| K | bits | K error gain: geo mean / min / max | query-weighted gain: geo mean / min / max |")
     print("|---|---:|---|---|")
     for bits in args.bits:
         for kind, label in (("kpost", "after RoPE"), ("kpre", "before RoPE")):
             heads = [(il, h) for il in range(meta["n_layer"]) for h in range(n_kv)]
             gk = np.array([k_gain(ck[kind][il][h], bits) for il, h in heads])
-            # the queries are after RoPE, so they weigh only the keys after RoPE
-            weighted = "-"
-            if kind == "kpost":
-                weighted = summary(np.array([weighted_gain(ck[kind][il][h], cq[il][h], bits) for il, h in heads]))
-            print(f"| {label} | {bits:g} | {summary(gk)} | {weighted} |")
+            # both against equal bits on the rows after RoPE, as the kvc types code them
+            gw = np.array([weighted_gain_vs_post(ck[kind][il][h], cw[kind][il][h], ck["kpost"][il][h], cq[il][h], bits)
+                           for il, h in heads])
+            print(f"| {label} | {bits:g} | {summary(gk)} | {summary(gw)} |")
+        gp = np.array([pair_gain_vs_post(ck["kpre"][il][h], cw["kpre"][il][h], pairs, ck["kpost"][il][h], cq[il][h],
+                                         bits) for il in range(meta["n_layer"]) for h in range(n_kv)])
+        print(f"| before RoPE, basis within RoPE pairs | {bits:g} | - | {summary(gp)} |")
 
 
 if __name__ == "__main__":
