@@ -64,9 +64,41 @@ def test_head_gains_see_structure() -> None:
     rng = np.random.default_rng(0)
     white = rng.standard_normal((20000, 8))
     ck, cq = gain.covariance(white), gain.second_moment(rng.standard_normal((20000, 8)))
-    gk, gw = gain.k_gain(ck, 4.0), gain.weighted_gain(ck, cq, 4.0)
+    gk, gw = gain.k_gain(ck, 4.0), gain.weighted_gain_vs_post(ck, cq, ck, cq, 4.0)
     assert gk == pytest.approx(1.0, rel=0.05) and gw == pytest.approx(1.0, rel=0.1)
     strong = white * np.array([10.0, 1, 1, 1, 1, 1, 1, 1])
     ck, cq = gain.covariance(strong), gain.second_moment(white * np.array([10.0, 1, 1, 1, 1, 1, 1, 1]))
-    gk, gw = gain.k_gain(ck, 4.0), gain.weighted_gain(ck, cq, 4.0)
+    gk, gw = gain.k_gain(ck, 4.0), gain.weighted_gain_vs_post(ck, cq, ck, cq, 4.0)
     assert gk > 2.0 and gw > gk
+
+
+def _rope(x: np.ndarray, pairs: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    theta = 10000.0 ** (-np.arange(len(pairs)) / len(pairs))
+    a = pos[:, None] * theta[None, :]
+    out = x.copy()
+    x0, x1 = x[:, pairs[:, 0]], x[:, pairs[:, 1]]
+    out[:, pairs[:, 0]] = x0 * np.cos(a) - x1 * np.sin(a)
+    out[:, pairs[:, 1]] = x0 * np.sin(a) + x1 * np.cos(a)
+    return out
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_pre_rope_weight(neox: bool) -> None:
+    # the pairing is told from the data, W keeps C_q's trace (rotations), and without
+    # rotation (position 0) W is C_q itself
+    gain = _gain_script()
+    rng = np.random.default_rng(1)
+    d = 16
+    pairs = np.stack([np.arange(d // 2), np.arange(d // 2) + d // 2], 1) if neox else np.arange(d).reshape(-1, 2)
+    kpre = rng.standard_normal((400, d)) * np.linspace(3.0, 0.2, d)
+    kpost = _rope(kpre, pairs, np.arange(400, dtype=float))
+    np.testing.assert_array_equal(gain.rope_pairs(kpre, kpost), pairs)
+    q = rng.standard_normal((800, d)) * np.linspace(0.5, 2.0, d)
+    cq = gain.second_moment(q)
+    w = gain.pre_rope_weight(kpre, kpost, cq, pairs)
+    assert np.trace(w) == pytest.approx(np.trace(cq), rel=1e-9)
+    np.testing.assert_allclose(gain.pre_rope_weight(kpre, kpre, cq, pairs), cq, rtol=1e-9, atol=1e-12)
+    # turned over many positions, a pair's weight is its two channels' mean
+    for a, b in pairs[:3]:
+        assert w[a, a] == pytest.approx(w[b, b], rel=0.1)
+        assert w[a, a] == pytest.approx(0.5 * (cq[a, a] + cq[b, b]), rel=0.1)

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""A transform coder of real K rows against kvc4, at equal bits (issue 20's format, measured
+before it is built).
+
+Input: the dump of `llama-kvcomp-rows` (PREFIX.json and PREFIX.{kpost,qpost}.f32). Per
+layer and KV head, the first `--calib` rows fix what the format keeps per layer (as the
+tracker fixes its offset on the rows in the cache at that moment): the mean c, the basis T
+(the eigenvectors of K's covariance) and an integer bit count per coefficient (greedy
+allocation of the weighted distortion, each coefficient's variance times the queries'
+weight on it). Every later row is coded as y = T(k - c), one 8-bit scale per row (the RMS
+of y against the calibration's), each coefficient by a Lloyd-Max quantizer for a unit
+Gaussian at its bit count. kvc4 is the real quantizer (libggml-base's reference) on the rows
+after upstream's Hadamard rotation. The error that matters is the queries' view of it,
+E[(q.e)^2] over the same later rows; the table gives kvc4's over the coder's (geometric mean
+/ min / max over KV heads) and plain K error ratios.
+
+    python3 scripts/kv_transform_proto.py /tmp/rows/smollm2 --bpe 4.5 3.5 --calib 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import json
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+from kv_rows_gain import load, rope_pairs
+
+from ggml_kvcomp.paths import bin_dir
+
+SCALE_BITS = 8
+MAX_BITS = 8
+
+
+@cache
+def lloyd_max(bits: int) -> tuple[np.ndarray, float]:
+    """Levels of the MSE-optimal quantizer of a unit Gaussian at `bits` (Lloyd's iteration on
+    a fine grid), and its distortion."""
+    if bits == 0:
+        return np.zeros(1), 1.0
+    x = np.linspace(-8.0, 8.0, 200001)
+    p = np.exp(-0.5 * x * x)
+    p /= p.sum()
+    n = 1 << bits
+    levels = np.quantile(np.random.default_rng(0).standard_normal(200000), (np.arange(n) + 0.5) / n)
+    for _ in range(300):
+        edges = 0.5 * (levels[1:] + levels[:-1])
+        cell = np.searchsorted(edges, x)
+        mass = np.bincount(cell, p, n)
+        levels = np.bincount(cell, p * x, n) / np.maximum(mass, 1e-300)
+    edges = 0.5 * (levels[1:] + levels[:-1])
+    dist = float((p * (x - levels[np.searchsorted(edges, x)]) ** 2).sum())
+    return levels, dist
+
+
+def quantize(y: np.ndarray, bits: int) -> np.ndarray:
+    levels, _ = lloyd_max(bits)
+    if bits == 0:
+        return np.zeros_like(y)
+    out: np.ndarray = levels[np.searchsorted(0.5 * (levels[1:] + levels[:-1]), y)]
+    return out
+
+
+def allocate(weighted_var: np.ndarray, total_bits: int) -> np.ndarray:
+    """Integer bits per coefficient, greedy on the largest drop of weighted distortion."""
+    bits = np.zeros(len(weighted_var), dtype=int)
+    dist = np.array([lloyd_max(b)[1] for b in range(MAX_BITS + 1)])
+    for _ in range(total_bits):
+        gain = np.where(bits < MAX_BITS, weighted_var * (dist[bits] - dist[np.minimum(bits + 1, MAX_BITS)]), -1.0)
+        bits[int(np.argmax(gain))] += 1
+    return bits
+
+
+@cache
+def ggml_base() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(bin_dir() / "libggml-base.so"))
+    for name in ("quantize_row_kvc4_ref", "dequantize_row_kvc4"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    return lib
+
+
+def kvc4_round_trip(rows: np.ndarray) -> np.ndarray:
+    """kvc4's reference quantizer and its dequantization (libggml-base), rows [n, d]."""
+    lib = ggml_base()
+    x = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1)
+    q = np.zeros(len(x), dtype=np.uint8)  # 18 bytes per 32 values fit
+    y = np.zeros(len(x), dtype=np.float32)
+    lib.quantize_row_kvc4_ref(x.ctypes.data, q.ctypes.data, len(x))
+    lib.dequantize_row_kvc4(q.ctypes.data, y.ctypes.data, len(x))
+    return y.reshape(rows.shape).astype(np.float64)
+
+
+def hadamard(d: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while len(h) < d:
+        h = np.block([[h, h], [h, -h]])
+    out: np.ndarray = h / np.sqrt(d)
+    return out
+
+
+def rotations(kpre: np.ndarray, kpost: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """Each row's RoPE as a matrix [n, d, d] (pre to post), its angles read off the dumps."""
+    def angle(x: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.arctan2(x[:, pairs[:, 1]], x[:, pairs[:, 0]])
+        return out
+
+    a = angle(kpost) - angle(kpre)
+    r = np.zeros((len(kpre), kpre.shape[1], kpre.shape[1]))
+    c, s = np.cos(a), np.sin(a)
+    r[:, pairs[:, 0], pairs[:, 0]] = c
+    r[:, pairs[:, 0], pairs[:, 1]] = -s
+    r[:, pairs[:, 1], pairs[:, 0]] = s
+    r[:, pairs[:, 1], pairs[:, 1]] = c
+    return r
+
+
+def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.ndarray, qe: np.ndarray, calib: int,
+              bpe: float, space: str) -> tuple[float, float]:
+    """(kvc4's query-weighted error over the coder's, and the same for K's plain error) on
+    the K rows after `calib`; qc: the queries of the calibration rows, qe: later queries.
+    space: "post" codes K after RoPE with its eigenbasis; "pre" codes K before RoPE with its
+    eigenbasis, "pre-pairs" with a 2x2 basis per RoPE pair (errors are turned by each key's
+    RoPE before the queries meet them)."""
+    d = kpost.shape[1]
+    k = kpost if space == "post" else kpre
+    kc = k[:calib]
+    c = kc.mean(0)
+    cov = np.cov((kc - c).T, bias=True)
+    cq = qc.T @ qc / len(qc)
+    if space == "post":
+        weight_m = cq
+    else:
+        rot_c = rotations(kpre[:calib], kpost[:calib], pairs)
+        weight_m = np.einsum("nji,jk,nkl->il", rot_c, cq, rot_c) / calib
+    if space == "pre-pairs":
+        tb = np.zeros((d, d))
+        for a, b in pairs:
+            _, v = np.linalg.eigh(cov[np.ix_([a, b], [a, b])])
+            tb[np.ix_([a, b], [a, b])] = v.T
+    else:
+        _, vec = np.linalg.eigh(cov)
+        tb = vec.T  # rows: basis vectors
+    var = np.maximum(np.einsum("id,de,ie->i", tb, cov, tb), 1e-30)
+    weight = np.einsum("id,de,ie->i", tb, weight_m, tb)
+    bits = allocate(var * weight, round(bpe * d) - SCALE_BITS)
+
+    ke = k[calib:]
+    y = (ke - c) @ tb.T / np.sqrt(var)
+    # one scale per row, coded on a 1/8-octave grid like the kvc steps
+    rms_row = np.sqrt((y[:, bits > 0] ** 2).mean(1)) if (bits > 0).any() else np.ones(len(y))
+    s = 2.0 ** (np.round(8 * np.log2(np.maximum(rms_row, 1e-30))) / 8)
+    yq = np.stack([quantize(y[:, i] / s, int(bits[i])) for i in range(d)], 1) * s[:, None]
+    err = ke - ((yq * np.sqrt(var)) @ tb + c)
+    if space != "post":
+        err = np.einsum("nij,nj->ni", rotations(kpre[calib:], kpost[calib:], pairs), err)
+    h = hadamard(d)
+    kpe = kpost[calib:]
+    err_kvc4 = kpe - kvc4_round_trip(kpe @ h) @ h
+
+    def weighted(e: np.ndarray) -> float:
+        return float(np.mean((e @ qe.T) ** 2))
+
+    return weighted(err_kvc4) / weighted(err), float((err_kvc4 ** 2).sum() / (err ** 2).sum())
+
+
+def summary(g: np.ndarray) -> str:
+    return f"{np.exp(np.log(g).mean()):.2f} / {g.min():.2f} / {g.max():.2f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prefix", type=Path, help="PREFIX given to llama-kvcomp-rows -o")
+    p.add_argument("--bpe", type=float, nargs="+", default=[4.5])
+    p.add_argument("--calib", type=int, nargs="+", default=[512])
+    p.add_argument("--queries", type=int, default=512, help="later queries the weighted error averages over")
+    p.add_argument("--space", nargs="+", default=["post", "pre", "pre-pairs"], choices=["post", "pre", "pre-pairs"])
+    args = p.parse_args()
+    meta = json.loads(Path(f"{args.prefix}.json").read_text())
+    n_kv, n_q, hd = meta["n_head_kv"], meta["n_head"], meta["head_dim"]
+    group = n_q // n_kv
+    kpost = load(args.prefix, "kpost", n_kv, meta)
+    kpre = load(args.prefix, "kpre", n_kv, meta)
+    q = load(args.prefix, "qpost", n_q, meta)
+    pairs = rope_pairs(kpre, kpost)
+    print("| K coded | bpe (scale included) | calibration rows | query-weighted gain over kvc4 "
+          "| K error gain over kvc4 |")
+    print("|---|---:|---:|---|---|")
+    rng = np.random.default_rng(0)
+    for space, calib, bpe in itertools.product(args.space, args.calib, args.bpe):
+        gw, gk = [], []
+        for il in range(meta["n_layer"]):
+            for h in range(n_kv):
+                qh = q[il, h * group:(h + 1) * group]  # [group, token, d]
+                qcal = qh[:, :calib].reshape(-1, hd)
+                later = qh[:, calib:].reshape(-1, hd)
+                qlater = later[rng.choice(len(later), min(args.queries, len(later)), replace=False)]
+                w, e = code_head(kpost[il, h], kpre[il, h], pairs, qcal, qlater, calib, bpe, space)
+                gw.append(w)
+                gk.append(e)
+        print(f"| {space} | {bpe:g} | {calib} | {summary(np.array(gw))} | {summary(np.array(gk))} |")
+
+
+if __name__ == "__main__":
+    main()
