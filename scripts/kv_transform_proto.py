@@ -27,7 +27,7 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
-from kv_rows_gain import load, rope_pairs
+from kv_rows_gain import load, pre_rope_weight, rope_pairs
 
 from ggml_kvcomp.paths import bin_dir
 
@@ -102,20 +102,20 @@ def hadamard(d: int) -> np.ndarray:
     return out
 
 
-def rotations(kpre: np.ndarray, kpost: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-    """Each row's RoPE as a matrix [n, d, d] (pre to post), its angles read off the dumps."""
+def rope_turn(err: np.ndarray, kpre: np.ndarray, kpost: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """Errors on keys before RoPE as the queries meet them: each row's pairs turned by the
+    angles its RoPE turned that key's pairs by (read off the two dumps)."""
     def angle(x: np.ndarray) -> np.ndarray:
         out: np.ndarray = np.arctan2(x[:, pairs[:, 1]], x[:, pairs[:, 0]])
         return out
 
     a = angle(kpost) - angle(kpre)
-    r = np.zeros((len(kpre), kpre.shape[1], kpre.shape[1]))
     c, s = np.cos(a), np.sin(a)
-    r[:, pairs[:, 0], pairs[:, 0]] = c
-    r[:, pairs[:, 0], pairs[:, 1]] = -s
-    r[:, pairs[:, 1], pairs[:, 0]] = s
-    r[:, pairs[:, 1], pairs[:, 1]] = c
-    return r
+    out = err.copy()
+    e0, e1 = err[:, pairs[:, 0]], err[:, pairs[:, 1]]
+    out[:, pairs[:, 0]] = e0 * c - e1 * s
+    out[:, pairs[:, 1]] = e0 * s + e1 * c
+    return out
 
 
 def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.ndarray, qe: np.ndarray, calib: int,
@@ -134,8 +134,7 @@ def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.nda
     if space == "post":
         weight_m = cq
     else:
-        rot_c = rotations(kpre[:calib], kpost[:calib], pairs)
-        weight_m = np.einsum("nji,jk,nkl->il", rot_c, cq, rot_c) / calib
+        weight_m = pre_rope_weight(kpre[:calib], kpost[:calib], cq, pairs)
     if space == "pre-pairs":
         tb = np.zeros((d, d))
         for a, b in pairs:
@@ -156,7 +155,7 @@ def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.nda
     yq = np.stack([quantize(y[:, i] / s, int(bits[i])) for i in range(d)], 1) * s[:, None]
     err = ke - ((yq * np.sqrt(var)) @ tb + c)
     if space != "post":
-        err = np.einsum("nij,nj->ni", rotations(kpre[calib:], kpost[calib:], pairs), err)
+        err = rope_turn(err, kpre[calib:], kpost[calib:], pairs)
     h = hadamard(d)
     kpe = kpost[calib:]
     err_kvc4 = kpe - kvc4_round_trip(kpe @ h) @ h
