@@ -27,7 +27,7 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
-from kv_rows_gain import load, pre_rope_weight, rope_pairs
+from kv_rows_gain import load, pre_rope_weight, rope_pairs, summary
 
 from ggml_kvcomp.paths import bin_dir
 
@@ -164,10 +164,6 @@ def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.nda
         return float(np.mean((e @ qe.T) ** 2))
 
     return weighted(err_kvc4) / weighted(err), float((err_kvc4 ** 2).sum() / (err ** 2).sum())
-
-
-def summary(g: np.ndarray) -> str:
-    return f"{np.exp(np.log(g).mean()):.2f} / {g.min():.2f} / {g.max():.2f}"
 
 
 def main() -> None:

@@ -1,13 +1,12 @@
-// SET_ROWS into a kvc cache on the CPU: the write of new K/V rows. Upstream splits the rows
-// over the threads, so a decode step (one row per stream) quantizes on one thread while the
-// others wait at the barrier. The kvc types' blocks are independent (32 values, their own
-// step), so here the blocks of all rows are split: every thread quantizes an equal share.
+// SET_ROWS into a kvc cache on the CPU: the write of new K/V rows. Upstream runs the op on one
+// thread (ggml_get_n_tasks), so every layer's write of a decode step, and of a prompt, is
+// quantized while the other threads wait at the barrier. The kvc types' blocks are
+// independent (32 values, their own step), so here the blocks of all rows are split: every
+// thread quantizes an equal share, each block on one thread.
 
 #include "kvc-cpu.h"
 #include "ggml-cpu.h"
 #include "ggml-cpu-impl.h"
-
-#include <string.h>
 
 // blocks converted from F16 at a time (a stack buffer)
 #define KVC_SET_ROWS_CHUNK 8
