@@ -82,16 +82,22 @@ def rope_pairs(kpre: np.ndarray, kpost: np.ndarray) -> np.ndarray:
     return best[1]
 
 
-def pre_rope_weight(kpre: np.ndarray, kpost: np.ndarray, q_second_moment: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-    """W = mean over the keys' positions n of R_n' C_q R_n: an error e on a key before RoPE
-    reaches a query as q.(R_n e), so E[(q.R_n e)^2] = e' W e. R_n's angles are read off each
-    key (the angle its RoPE turned every pair by); rows [token, dim]."""
+def rope_cos_sin(kpre: np.ndarray, kpost: np.ndarray, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the angle RoPE turned each row's pairs by, [token, pair], read off the
+    rows before and after it."""
     def angle(x: np.ndarray) -> np.ndarray:
         out: np.ndarray = np.arctan2(x[:, pairs[:, 1]], x[:, pairs[:, 0]])
         return out
 
     a = angle(kpost) - angle(kpre)
-    c, s = np.cos(a), np.sin(a)
+    return np.cos(a), np.sin(a)
+
+
+def pre_rope_weight(kpre: np.ndarray, kpost: np.ndarray, q_second_moment: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """W = mean over the keys' positions n of R_n' C_q R_n: an error e on a key before RoPE
+    reaches a query as q.(R_n e), so E[(q.R_n e)^2] = e' W e. R_n's angles are read off each
+    key (the angle its RoPE turned every pair by); rows [token, dim]."""
+    c, s = rope_cos_sin(kpre, kpost, pairs)
     rot = np.stack([np.stack([c, -s], -1), np.stack([s, c], -1)], -2)  # [n, pair, 2, 2]: R maps pre to post
     order = pairs.reshape(-1)
     cq = q_second_moment[np.ix_(order, order)].reshape(len(pairs), 2, len(pairs), 2)

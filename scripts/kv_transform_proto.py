@@ -27,7 +27,7 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
-from kv_rows_gain import load, pre_rope_weight, rope_pairs, summary
+from kv_rows_gain import load, pre_rope_weight, rope_cos_sin, rope_pairs, summary
 
 from ggml_kvcomp.paths import bin_dir
 
@@ -105,12 +105,7 @@ def hadamard(d: int) -> np.ndarray:
 def rope_turn(err: np.ndarray, kpre: np.ndarray, kpost: np.ndarray, pairs: np.ndarray) -> np.ndarray:
     """Errors on keys before RoPE as the queries meet them: each row's pairs turned by the
     angles its RoPE turned that key's pairs by (read off the two dumps)."""
-    def angle(x: np.ndarray) -> np.ndarray:
-        out: np.ndarray = np.arctan2(x[:, pairs[:, 1]], x[:, pairs[:, 0]])
-        return out
-
-    a = angle(kpost) - angle(kpre)
-    c, s = np.cos(a), np.sin(a)
+    c, s = rope_cos_sin(kpre, kpost, pairs)
     out = err.copy()
     e0, e1 = err[:, pairs[:, 0]], err[:, pairs[:, 1]]
     out[:, pairs[:, 0]] = e0 * c - e1 * s

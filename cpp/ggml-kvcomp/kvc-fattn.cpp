@@ -7,10 +7,11 @@
 // Two kernels, each with a scalar reference (params->use_ref) that the SIMD path is held to
 // (cpp/tests/test-kvc-ops.cpp):
 //  - decode (one query token per stream): a work item is (stream, KV head, key range); the
-//    query heads of the KV head are done together, so each K and V row is converted to F32
-//    once and dotted with the F32 queries as the prompt kernel does; the keys of all sources
-//    are split over the threads, each range written as a partial (running maximum, sum,
-//    unnormalized output) and the ranges combined in order;
+//    query heads of the KV head are done together: a packed kvc K row is scored in integers
+//    against each query rounded to q8_0, any other K row and every V row is converted to F32
+//    once for all the heads; the keys of all sources are split over the threads, each range
+//    written as a partial (running maximum, sum, unnormalized output) and the ranges
+//    combined in order;
 //  - prompt (several query tokens): a work item is (stream, KV head, block of query tokens);
 //    its rows (tokens x query heads, at most 64) meet 64-key tiles dequantized to F32 and
 //    multiplied as upstream's tiled F16 kernel does, so a kvc cache costs about what F16 does.
@@ -279,10 +280,9 @@ struct dec_state {
     block_q8_0 q8[KVC_DEC_GROUP][KVC_DEC_MAX_D / QK8_0];
 };
 
-typedef void (*kvc_vec_dot_t)(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
-                              const void * GGML_RESTRICT vy, size_t by, int nrc);
-
-kvc_vec_dot_t get_kvc_vec_dot(ggml_type t, bool ref) {
+// a kvc K row against a q8_0 query: the CPU's (SIMD) or the scalar reference; nullptr for
+// other types
+ggml_vec_dot_t get_kvc_vec_dot(ggml_type t, bool ref) {
     switch (t) {
         case GGML_TYPE_KVC8: return ref ? ggml_vec_dot_kvc8_q8_0_generic : ggml_vec_dot_kvc8_q8_0;
         case GGML_TYPE_KVC4: return ref ? ggml_vec_dot_kvc4_q8_0_generic : ggml_vec_dot_kvc4_q8_0;
@@ -301,7 +301,7 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
     const bool ref = a.ref;
     const row_to_f32_t k_to_f32 = get_row_to_f32(K.type, ref);
     const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref);
-    const kvc_vec_dot_t k_dot    = get_kvc_vec_dot(K.type, ref);
+    const ggml_vec_dot_t k_dot    = get_kvc_vec_dot(K.type, ref);
     const int64_t DK = a.DK, DV = a.DV;
     const bool shared_mask = !a.mask || (a.mask->ne[2] == 1 && a.max_bias <= 0.0f);
 
@@ -325,8 +325,8 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
             }
             if (k_dot) {
                 // A packed row meets the query rounded to q8_0 in integers, as upstream scores
-                // its quantized K caches: no F32 copy of the row, a third of the work of one
-                // (the prompt kernel keeps F32 queries; test-kvc-llama bounds what they differ).
+                // its quantized K caches, with no F32 copy of the row (the prompt kernel keeps
+                // F32 queries; test-kvc-llama bounds what the two differ).
                 for (int64_t g = 0; g < gn; ++g) {
                     if (sc[g][j] != -INFINITY) {
                         float d;

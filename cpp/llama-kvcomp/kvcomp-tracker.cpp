@@ -53,14 +53,14 @@ const llama_kvcomp_tracker * llama_kvcomp_tracker::of_layer(const ggml_tensor * 
     return it->second.first;
 }
 
-// measure() quantizes a row of every layer every KVCOMP_RECOMPUTE updates: with the CPU
-// backend's quantizer (the same bytes as the reference, SIMD where the build has it) it is a
-// small part of the step it runs in, with the scalar reference a large one.
 void * llama_kvcomp_cpu_proc(const char * name) {
     ggml_backend_reg_t cpu = ggml_backend_reg_by_name("CPU");
     return cpu ? ggml_backend_reg_get_proc_address(cpu, name) : nullptr;
 }
 
+// measure() quantizes a row of every layer every KVCOMP_RECOMPUTE updates: with the CPU
+// backend's quantizer (the same bytes as the reference, SIMD where the build has it) it is a
+// small part of the step it runs in, with the scalar reference a large one.
 static ggml_from_float_t k_quantizer(ggml_type type) {
     const auto get = (ggml_kvc_cpu_get_from_float_t) llama_kvcomp_cpu_proc("ggml_kvc_cpu_get_from_float");
     ggml_from_float_t q = get ? get(type) : nullptr;
@@ -183,28 +183,31 @@ ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor *
     // One NaN would otherwise make c, and so every later key of the stream, NaN (stored as
     // zeros), and a NaN row would be stored as k = c instead of k = 0.
     ggml_tensor * finite = ggml_clamp(ctx0, ggml_leaky_relu(ctx0, cur, 1.0f, false), -65504.0f, 65504.0f);
+    // each plane's c in the row after its block
+    const auto c_view = [&](ggml_tensor * src) {
+        return ggml_view_3d(ctx0, src, ne0, 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1), row_c(plane_strm0) * nb1);
+    };
+    ggml_tensor * c_rows = nullptr;
     if (steady && np == (int64_t) n_planes) {
         // every plane's c is fixed (set, or 0) and its row of the store holds it: read there,
         // without making it again (a node costs a barrier of every thread in a decode step)
-        ggml_tensor * c_rows = ggml_view_3d(ctx0, tapped, ne0, 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1), row_c(plane_strm0) * nb1);
-        ggml_tensor * x = ggml_view_3d(ctx0, finite, ne0, ntp, np, finite->nb[1], finite->nb[1] * ntp, 0);
-        return ggml_reshape_2d(ctx0, ggml_sub(ctx0, x, c_rows), ne0, n_tok);
-    }
-    ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, n_store_rows(), nb1, 0);
-    all = ggml_set_rows(ctx0, all, finite, ggml_view_1d(ctx0, copy_idx, n_tok, 0));
-    ggml_tensor * blocks = ggml_view_3d(ctx0, all, ne0, KVCOMP_CALIB_N + 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1),
-            row_raw(plane_strm0, 0) * nb1);
-    ggml_tensor * w = ggml_view_3d(ctx0, weights, 1, KVCOMP_CALIB_N + 1, np, weights->nb[1], weights->nb[2], 0);
-    ggml_tensor * c = ggml_out_prod(ctx0, blocks, w); // [ne0, 1, np]
-    ggml_tensor * c_rows = ggml_cpy(ctx0, c, ggml_view_3d(ctx0, all, ne0, 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1),
-            row_c(plane_strm0) * nb1));
+        c_rows = c_view(tapped);
+    } else {
+        ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, n_store_rows(), nb1, 0);
+        all = ggml_set_rows(ctx0, all, finite, ggml_view_1d(ctx0, copy_idx, n_tok, 0));
+        ggml_tensor * blocks = ggml_view_3d(ctx0, all, ne0, KVCOMP_CALIB_N + 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1),
+                row_raw(plane_strm0, 0) * nb1);
+        ggml_tensor * w = ggml_view_3d(ctx0, weights, 1, KVCOMP_CALIB_N + 1, np, weights->nb[1], weights->nb[2], 0);
+        ggml_tensor * c = ggml_out_prod(ctx0, blocks, w); // [ne0, 1, np]
+        c_rows = ggml_cpy(ctx0, c, c_view(all));
 
-    if (!old_rows.empty()) {
-        // earlier rows of a stream that sets its c now: stored again from their copies
-        const int64_t n_old = (int64_t) old_rows.size();
-        ggml_tensor * raw = ggml_get_rows(ctx0, all, ggml_view_1d(ctx0, old_raw, n_old, 0));
-        ggml_tensor * cs  = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, c, ne0, np), ggml_view_1d(ctx0, old_plane, n_old, 0));
-        reenc[ib] = ggml_sub(ctx0, raw, cs);
+        if (!old_rows.empty()) {
+            // earlier rows of a stream that sets its c now: stored again from their copies
+            const int64_t n_old = (int64_t) old_rows.size();
+            ggml_tensor * raw = ggml_get_rows(ctx0, all, ggml_view_1d(ctx0, old_raw, n_old, 0));
+            ggml_tensor * cs  = ggml_get_rows(ctx0, ggml_reshape_2d(ctx0, c, ne0, np), ggml_view_1d(ctx0, old_plane, n_old, 0));
+            reenc[ib] = ggml_sub(ctx0, raw, cs);
+        }
     }
 
     ggml_tensor * x = ggml_view_3d(ctx0, finite, ne0, ntp, np, finite->nb[1], finite->nb[1] * ntp, 0);
@@ -452,12 +455,18 @@ void llama_kvcomp_tracker::resolve() const {
     pending_read.clear();
 }
 
+void llama_kvcomp_tracker::fix_zero(uint32_t strm) {
+    // The store's row of a stream may hold the last sequence's c until a graph makes c again,
+    // and a steady graph reads c there: the stream's 0 (its host copy) goes there at once.
+    streams[strm].status = CALIB_STATUS_NONE;
+    write_offsets(strm);
+}
+
 void llama_kvcomp_tracker::on_shift() {
     // the copies are of rows at their old positions, under their old rotation
     for (uint32_t strm = 0; strm < n_stream; ++strm) {
         if (streams[strm].status == CALIB_STATUS_PENDING) {
-            streams[strm].status = CALIB_STATUS_NONE;
-            write_offsets(strm);
+            fix_zero(strm);
         }
     }
 }
@@ -562,7 +571,6 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
     const uint32_t ntp = sinfo.size();
     std::vector<float>   w((size_t) (KVCOMP_CALIB_N + 1) * n_stream, 0.0f);
     std::vector<int64_t> idx(ubatch.n_tokens, row_trash());
-    std::vector<uint32_t> zero;
     steady = true;
     old_rows.clear();
     old_raw_h.clear();
@@ -575,16 +583,19 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
             // The stream starts over: its offset will come from the first rows of the sequence
             // starting it, never from what earlier sequences left (the statistics, other
             // streams), so what a sequence computes depends on its own tokens only.
-            ss.status = params.tracker ? CALIB_STATUS_PENDING : CALIB_STATUS_NONE;
-            ss.seq    = ubatch.seq_id[i0][0];
-            ss.p0     = ubatch.pos[i0];
+            ss.seq = ubatch.seq_id[i0][0];
+            ss.p0  = ubatch.pos[i0];
             for (auto & l : layers) {
                 std::fill(l.c.begin() + (size_t) strm * l.n_embd_k, l.c.begin() + (size_t) (strm + 1) * l.n_embd_k, 0.0f);
             }
-            zero.push_back(strm);
+            if (params.tracker) {
+                ss.status = CALIB_STATUS_PENDING;
+            } else {
+                fix_zero(strm);
+            }
         }
         if (ss.status == CALIB_STATUS_PENDING && !params.tracker) {
-            ss.status = CALIB_STATUS_NONE;
+            fix_zero(strm);
         }
         float * wp = w.data() + (size_t) p * (KVCOMP_CALIB_N + 1);
         if (ss.status == CALIB_STATUS_PENDING) {
@@ -620,17 +631,10 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
                 pending_read.push_back(strm);
             } else if (!all_first) {
                 // rows the stream keeps no copy of are stored as they came: c stays 0
-                ss.status = CALIB_STATUS_NONE;
+                fix_zero(strm);
             }
         } else if (ss.status == CALIB_STATUS_SET) {
             wp[KVCOMP_CALIB_N] = 1.0f;
-        }
-    }
-    // A stream that starts over may hold the last sequence's c in its store row until a
-    // graph makes its c again: one that is fixed at 0 now gets the 0 there (l.c) at once.
-    for (uint32_t strm : zero) {
-        if (streams[strm].status == CALIB_STATUS_NONE) {
-            write_offsets(strm);
         }
     }
     steady = steady && old_rows.empty();
@@ -815,8 +819,7 @@ std::vector<std::vector<std::vector<float>>> llama_kvcomp_tracker::state_read(ll
         // k - c = x + (c_f - c) for a row x stored as k - c_f. A stream still collecting its
         // first rows now holds rows it has no copy of.
         if (ss.status == CALIB_STATUS_PENDING) {
-            ss.status = CALIB_STATUS_NONE;
-            write_offsets(t.strm);
+            fix_zero(t.strm);
         }
         bool same = true;
         for (uint32_t ib = 0; ib < n_layers && same; ++ib) {

@@ -162,6 +162,8 @@ private:
     // cells: the main row (stream * cells + cell) of each of the n_rows K rows
     void measure(layer_state & l, const float * k_rows, const uint64_t * cells, size_t n_rows);
     void write_offsets(uint32_t strm) const;
+    // the stream's c stays 0 from now on (status NONE), in the store too
+    void fix_zero(uint32_t strm);
     // the cells holding the first positions of the stream's sequence, with their rank among them
     std::vector<std::pair<uint32_t, llama_pos>> first_rows(const llama_kv_cells & cells, uint32_t strm) const;
     // The store's rows: the tap's samples, then per stream a block of the copies of its first

@@ -16,7 +16,9 @@ struct ctx_ptr {
     ~ctx_ptr() { llama_free(ctx); }
 };
 
-inline llama_context * make_ctx(llama_model * model, ggml_type type, uint32_t n_seq_max = 1, bool unified = true) {
+// type_v: the V cache's type when it differs from K's (a mode's pair)
+inline llama_context * make_ctx(llama_model * model, ggml_type type, uint32_t n_seq_max = 1, bool unified = true,
+                                ggml_type type_v = GGML_TYPE_COUNT) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx           = 512;
     cp.n_batch         = 512;
@@ -25,7 +27,7 @@ inline llama_context * make_ctx(llama_model * model, ggml_type type, uint32_t n_
     cp.n_threads       = 2;
     cp.n_threads_batch = 2;
     cp.type_k          = type;
-    cp.type_v          = type;
+    cp.type_v          = type_v == GGML_TYPE_COUNT ? type : type_v;
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
     cp.kv_unified      = unified;
     return llama_init_from_model(model, cp);

@@ -944,9 +944,6 @@ snapshot get_snapshot(llama_context * ctx) {
     return s;
 }
 
-// The monitor (docs/monitoring.md): per-head metrics agree with the per-layer tracker stats,
-// the perplexity windows with log-probabilities computed here, and a forced-low baseline
-// walks the ladder down to "off" while generation goes on.
 // Decode steps reuse the last graph in every mode, with the monitor on as llama-server runs
 // it, as often as on a plain f16 cache (the step after a prompt rebuilds for its new shape):
 // a rebuild per step costs more than a short step's attention. Counted with upstream's
@@ -959,14 +956,7 @@ void test_graph_reuse(report & rep, llama_model * model, const std::vector<llama
         if (mode >= 0) {
             llama_kvcomp_mode_preset(mode, &p, &tk, &tv);
         }
-        llama_context_params cp = llama_context_default_params();
-        cp.n_ctx           = 512;
-        cp.n_threads       = 2;
-        cp.n_threads_batch = 2;
-        cp.type_k          = tk;
-        cp.type_v          = tv;
-        cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
-        ctx_ptr c{ llama_init_from_model(model, cp) };
+        ctx_ptr c{ make_ctx(model, tk, 1, true, tv) };
         llama_kvcomp_monitor_params mp = llama_kvcomp_monitor_default_params();
         if (!c.ctx || (mode >= 0 && (llama_kvcomp_configure(c.ctx, &p) != 0 || llama_kvcomp_set_monitor(c.ctx, &mp) != 0)) ||
             decode(c.ctx, toks, 0, n_prompt, n_prompt).empty()) {
@@ -983,6 +973,9 @@ void test_graph_reuse(report & rep, llama_model * model, const std::vector<llama
     }
 }
 
+// The monitor (docs/monitoring.md): per-head metrics agree with the per-layer tracker stats,
+// the perplexity windows with log-probabilities computed here, and a forced-low baseline
+// walks the ladder down to "off" while generation goes on.
 void test_monitor(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
     ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
     llama_kvcomp_params p;
