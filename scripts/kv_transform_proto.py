@@ -117,20 +117,31 @@ def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.nda
               bpe: float, space: str) -> tuple[float, float]:
     """(kvc4's query-weighted error over the coder's, and the same for K's plain error) on
     the K rows after `calib`; qc: the queries of the calibration rows, qe: later queries.
-    space: "post" codes K after RoPE with its eigenbasis; "pre" codes K before RoPE with its
-    eigenbasis, "pre-pairs" with a 2x2 basis per RoPE pair (errors are turned by each key's
-    RoPE before the queries meet them)."""
+    space: "post" codes K after RoPE with its eigenbasis; "post-pairs" after RoPE in its own
+    channels, uncentered, with the statistics of the two channels of a RoPE pair pooled (RoPE
+    keeps a pair's energy, so they do not depend on the position); "pre" codes K before RoPE
+    with its eigenbasis, "pre-pairs" with a 2x2 basis per RoPE pair (errors are turned by each
+    key's RoPE before the queries meet them)."""
     d = kpost.shape[1]
-    k = kpost if space == "post" else kpre
+    k = kpre if space.startswith("pre") else kpost
     kc = k[:calib]
-    c = kc.mean(0)
-    cov = np.cov((kc - c).T, bias=True)
+    c = np.zeros(d) if space == "post-pairs" else kc.mean(0)
+    cov = np.cov((kc - c).T, bias=True) if space != "post-pairs" else (kc.T @ kc) / len(kc)
     cq = qc.T @ qc / len(qc)
-    if space == "post":
+    if space.startswith("post"):
         weight_m = cq
     else:
         weight_m = pre_rope_weight(kpre[:calib], kpost[:calib], cq, pairs)
-    if space == "pre-pairs":
+    if space == "post-pairs":
+        pooled = np.zeros(d)
+        wpool = np.zeros(d)
+        for a, b in pairs:
+            pooled[[a, b]] = 0.5 * (cov[a, a] + cov[b, b])
+            wpool[[a, b]] = 0.5 * (weight_m[a, a] + weight_m[b, b])
+        cov = np.diag(pooled)
+        weight_m = np.diag(wpool)
+        tb = np.eye(d)
+    elif space == "pre-pairs":
         tb = np.zeros((d, d))
         for a, b in pairs:
             _, v = np.linalg.eigh(cov[np.ix_([a, b], [a, b])])
@@ -149,7 +160,7 @@ def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.nda
     s = 2.0 ** (np.round(8 * np.log2(np.maximum(rms_row, 1e-30))) / 8)
     yq = np.stack([quantize(y[:, i] / s, int(bits[i])) for i in range(d)], 1) * s[:, None]
     err = ke - ((yq * np.sqrt(var)) @ tb + c)
-    if space != "post":
+    if space.startswith("pre"):
         err = rope_turn(err, kpre[calib:], kpost[calib:], pairs)
     h = hadamard(d)
     kpe = kpost[calib:]
@@ -167,7 +178,7 @@ def main() -> None:
     p.add_argument("--bpe", type=float, nargs="+", default=[4.5])
     p.add_argument("--calib", type=int, nargs="+", default=[512])
     p.add_argument("--queries", type=int, default=512, help="later queries the weighted error averages over")
-    p.add_argument("--space", nargs="+", default=["post", "pre", "pre-pairs"], choices=["post", "pre", "pre-pairs"])
+    p.add_argument("--space", nargs="+", default=["post", "pre", "pre-pairs"], choices=["post", "post-pairs", "pre", "pre-pairs"])
     args = p.parse_args()
     meta = json.loads(Path(f"{args.prefix}.json").read_text())
     n_kv, n_q, hd = meta["n_head_kv"], meta["n_head"], meta["head_dim"]

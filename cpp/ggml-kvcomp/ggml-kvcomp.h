@@ -22,7 +22,9 @@ GGML_API enum ggml_type ggml_kvcomp_type_from_name(const char * name);
 // current ubatch's own rows (optional). Keys are numbered main cells first, then slots, then
 // ubatch rows, and the mask has a column for each (mask->ne[0] >= their sum; a worst-case
 // graph may have more). Each part has the main pair's head size, KV heads and streams and
-// shares its permutation. Set like the sinks, in these sources of the node:
+// shares its permutation. The slots are F16; the ubatch's rows are F16 or F32, and F32 rows
+// are read as their F16 rounding (what the slots keep of them), so the graph needs no cast.
+// Set like the sinks, in these sources of the node:
 #define GGML_KVCOMP_FA_SRC_K_EXACT  5
 #define GGML_KVCOMP_FA_SRC_V_EXACT  6
 #define GGML_KVCOMP_FA_SRC_K_UBATCH 7

@@ -171,6 +171,20 @@ void ggml_vec_dot_kvc8_q8_0_generic(int n, float * GGML_RESTRICT s, size_t bs,
     *s = sumf;
 }
 
+// The multi-row dot products' reference: one vec_dot per query row.
+#define KVC_VEC_DOT_MULTI_LOOP(fn)                                                                    \
+static void fn##_multi(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx,                \
+                       const void * GGML_RESTRICT vy, size_t by, int ny) {                            \
+    for (int g = 0; g < ny; ++g) {                                                                    \
+        fn(n, &s[g], 0, vx, 0, (const char *) vy + g * by, 0, 1);                                     \
+    }                                                                                                 \
+}
+
+KVC_VEC_DOT_MULTI_LOOP(ggml_vec_dot_kvc8_q8_0_generic)
+KVC_VEC_DOT_MULTI_LOOP(ggml_vec_dot_kvc4_q8_0_generic)
+KVC_VEC_DOT_MULTI_LOOP(ggml_vec_dot_kvc3_q8_0_generic)
+KVC_VEC_DOT_MULTI_LOOP(ggml_vec_dot_kvc2_q8_0_generic)
+
 #if defined(KVC_AVX2)
 
 #define KVC_VEC_DOT_AVX2(name, n_levels)                                                              \
@@ -207,12 +221,72 @@ void ggml_vec_dot_kvc8_q8_0(int n, float * GGML_RESTRICT s, size_t bs,
     *s = kvc_hsum_f32_8(acc);
 }
 
+// The query rows meet each decoded block in turn, each with its own accumulator, adding in
+// the single-row kernel's order (so the same sums, bit for bit).
+#define KVC_VEC_DOT_MULTI_AVX2(name, n_levels)                                                        \
+static void kvc_vec_dot_multi_##name##_avx2(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx, \
+                                            const void * GGML_RESTRICT vy, size_t by, int ny) {       \
+    assert(n % QK_KVC == 0 && ny <= GGML_KVC_DOT_MULTI_MAX);                                          \
+    const block_##name * GGML_RESTRICT x = (const block_##name *) vx;                                 \
+    const __m256i lut = kvc_lut_avx2(kvalues_##name, n_levels);                                       \
+    __m256 acc[GGML_KVC_DOT_MULTI_MAX];                                                               \
+    for (int g = 0; g < ny; ++g) {                                                                    \
+        acc[g] = _mm256_setzero_ps();                                                                 \
+    }                                                                                                 \
+    for (int ib = 0; ib < n / QK_KVC; ++ib) {                                                         \
+        const __m256i v  = _mm256_shuffle_epi8(lut, name##_codes_avx2(&x[ib]));                       \
+        const __m256i av = _mm256_sign_epi8(v, v);                                                    \
+        const float   d0 = kvc_e8_to_fp32(x[ib].e[0]);                                                \
+        const float   d1 = kvc_e8_to_fp32(x[ib].e[1]);                                                \
+        for (int g = 0; g < ny; ++g) {                                                                \
+            const block_q8_0 * y = (const block_q8_0 *) ((const char *) vy + g * by) + ib;            \
+            const __m256i p = kvc_dot_i8_groups_abs(av, v, _mm256_loadu_si256((const __m256i *) y->qs)); \
+            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), kvc_sub_scales(d0, d1, GGML_CPU_FP16_TO_FP32(y->d)), acc[g]); \
+        }                                                                                             \
+    }                                                                                                 \
+    for (int g = 0; g < ny; ++g) {                                                                    \
+        s[g] = kvc_hsum_f32_8(acc[g]);                                                                \
+    }                                                                                                 \
+}
+
+KVC_VEC_DOT_MULTI_AVX2(kvc4, 16)
+KVC_VEC_DOT_MULTI_AVX2(kvc3, 8)
+KVC_VEC_DOT_MULTI_AVX2(kvc2, 4)
+
+static void kvc_vec_dot_multi_kvc8_avx2(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx,
+                                        const void * GGML_RESTRICT vy, size_t by, int ny) {
+    assert(n % QK_KVC == 0 && ny <= GGML_KVC_DOT_MULTI_MAX);
+    const block_kvc8 * GGML_RESTRICT x = (const block_kvc8 *) vx;
+    __m256 acc[GGML_KVC_DOT_MULTI_MAX];
+    for (int g = 0; g < ny; ++g) {
+        acc[g] = _mm256_setzero_ps();
+    }
+    for (int ib = 0; ib < n / QK_KVC; ++ib) {
+        const __m256i v  = _mm256_loadu_si256((const __m256i *) x[ib].qs);
+        const __m256i av = _mm256_sign_epi8(v, v);
+        const float   dx = GGML_CPU_FP16_TO_FP32(x[ib].d);
+        for (int g = 0; g < ny; ++g) {
+            const block_q8_0 * y = (const block_q8_0 *) ((const char *) vy + g * by) + ib;
+            const __m256i p = kvc_dot_i8_groups_abs(av, v, _mm256_loadu_si256((const __m256i *) y->qs));
+            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx * GGML_CPU_FP16_TO_FP32(y->d)), acc[g]);
+        }
+    }
+    for (int g = 0; g < ny; ++g) {
+        s[g] = kvc_hsum_f32_8(acc[g]);
+    }
+}
+
 // Row dequantization, the same products as the scalar reference (level times step in float),
 // so the two agree bit for bit. Attention's V rows and the buffer's casts of the cache go
 // through here.
 static inline void kvc_store_levels_avx2(float * y, __m256i v, float d0, float d1) {
     const __m128i lo = _mm256_castsi256_si128(v);
     const __m128i hi = _mm256_extracti128_si256(v, 1);
+#if defined(__AVX512F__)
+    _mm512_storeu_ps(y,      _mm512_mul_ps(_mm512_set1_ps(d0), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
+    _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_set1_ps(d1), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
+    return;
+#endif
     const __m256  s0 = _mm256_set1_ps(d0);
     const __m256  s1 = _mm256_set1_ps(d1);
     _mm256_storeu_ps(y +  0, _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))));
@@ -245,6 +319,8 @@ static void kvc_to_float_kvc8_avx2(const void * GGML_RESTRICT vx, float * GGML_R
     }
 }
 
+#define KVC_VEC_DOT_MULTI(name) kvc_vec_dot_multi_##name##_avx2
+
 ggml_to_float_t ggml_kvc_cpu_get_to_float(enum ggml_type type) {
     switch (type) {
         case GGML_TYPE_KVC8: return kvc_to_float_kvc8_avx2;
@@ -256,6 +332,8 @@ ggml_to_float_t ggml_kvc_cpu_get_to_float(enum ggml_type type) {
 }
 
 #else
+
+#define KVC_VEC_DOT_MULTI(name) ggml_vec_dot_##name##_q8_0_generic_multi
 
 ggml_to_float_t ggml_kvc_cpu_get_to_float(enum ggml_type type) {
     return ggml_get_type_traits(type)->to_float;
@@ -273,3 +351,13 @@ KVC_VEC_DOT_FALLBACK(kvc3)
 KVC_VEC_DOT_FALLBACK(kvc2)
 
 #endif
+
+ggml_kvc_vec_dot_multi_t ggml_kvc_cpu_get_vec_dot_multi(enum ggml_type type, bool ref) {
+    switch (type) {
+        case GGML_TYPE_KVC8: return ref ? ggml_vec_dot_kvc8_q8_0_generic_multi : KVC_VEC_DOT_MULTI(kvc8);
+        case GGML_TYPE_KVC4: return ref ? ggml_vec_dot_kvc4_q8_0_generic_multi : KVC_VEC_DOT_MULTI(kvc4);
+        case GGML_TYPE_KVC3: return ref ? ggml_vec_dot_kvc3_q8_0_generic_multi : KVC_VEC_DOT_MULTI(kvc3);
+        case GGML_TYPE_KVC2: return ref ? ggml_vec_dot_kvc2_q8_0_generic_multi : KVC_VEC_DOT_MULTI(kvc2);
+        default:             return NULL;
+    }
+}

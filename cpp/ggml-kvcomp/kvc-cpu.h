@@ -27,6 +27,15 @@ GGML_KVCOMP_DECLARE_VEC_DOT(kvc4)
 GGML_KVCOMP_DECLARE_VEC_DOT(kvc3)
 GGML_KVCOMP_DECLARE_VEC_DOT(kvc2)
 
+// One kvc row against ny query rows in q8_0 (by bytes apart): s[g] is what the type's
+// vec_dot gives for row g, bit for bit, with the row decoded once for all of them (the query
+// heads of a KV head in the decode kernel). ref selects the scalar reference; NULL for a type
+// other than kvc. ny is at most GGML_KVC_DOT_MULTI_MAX.
+#define GGML_KVC_DOT_MULTI_MAX 16
+typedef void (*ggml_kvc_vec_dot_multi_t)(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx,
+                                         const void * GGML_RESTRICT vy, size_t by, int ny);
+GGML_BACKEND_API ggml_kvc_vec_dot_multi_t ggml_kvc_cpu_get_vec_dot_multi(enum ggml_type type, bool ref);
+
 // Row dequantization for the CPU's hot loops (flash attention's V rows, casts of cache
 // views): the SIMD kernels for the kvc types where the build has them, upstream's to_float
 // for every other type.

@@ -42,6 +42,7 @@ constexpr int64_t KVC_DEC_MAX_D  = 256;             // decode head size bound (s
 constexpr int64_t KVC_MAX_ROW    = 1024;            // prompt K row bound (a stack row before the transpose)
 constexpr int64_t KVC_DEC_MIN_KEYS = 32;            // decode keys a range is worth splitting for
 constexpr int     KVC_FA_N_SRC   = 3;               // key sources of a node, one after the other
+constexpr int     KVC_FA_SRC_UBATCH = 2;            // the source of the ubatch's own exact rows
 
 bool is_kvc(ggml_type t) {
     return t >= GGML_KVCOMP_TYPE_FIRST && t <= GGML_KVCOMP_TYPE_LAST;
@@ -57,9 +58,25 @@ void row_f16_simd(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t
     ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) x, y, n);
 }
 
-row_to_f32_t get_row_to_f32(ggml_type t, bool ref) {
+// F32 rows read as the F16 values the buffer's slots keep of them (the ubatch's exact rows);
+// both directions round to nearest even in either version, so they agree bit for bit.
+void row_f32_as_f16_ref(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        y[i] = GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(((const float *) x)[i]));
+    }
+}
+
+void row_f32_as_f16_simd(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
+    ggml_fp16_t h[KVC_MAX_ROW];
+    GGML_ASSERT(n <= KVC_MAX_ROW);
+    ggml_cpu_fp32_to_fp16((const float *) x, h, n);
+    ggml_cpu_fp16_to_fp32(h, y, n);
+}
+
+// as_f16: F32 rows are read as their F16 rounding
+row_to_f32_t get_row_to_f32(ggml_type t, bool ref, bool as_f16 = false) {
     if (t == GGML_TYPE_F32) {
-        return row_f32;
+        return as_f16 ? (ref ? row_f32_as_f16_ref : row_f32_as_f16_simd) : row_f32;
     }
     if (ref) {
         return ggml_get_type_traits(t)->to_float;
@@ -168,7 +185,7 @@ struct fa_node {
     const ggml_tensor * mask;
     const ggml_tensor * sinks;
     ggml_tensor *       dst;
-    fa_src   k[KVC_FA_N_SRC], v[KVC_FA_N_SRC]; // main cells, exact slots, exact rows of the ubatch
+    fa_src   k[KVC_FA_N_SRC], v[KVC_FA_N_SRC]; // main cells, exact slots, exact rows of the ubatch (F32 read as F16)
     int64_t  DK, DV, n_q, n_head, n_head_kv, n_stream, G, n_keys;
     float    scale, softcap, max_bias, m0, m1;
     uint32_t n_head_log2;
@@ -280,15 +297,52 @@ struct dec_state {
     block_q8_0 q8[KVC_DEC_GROUP][KVC_DEC_MAX_D / QK8_0];
 };
 
-// a kvc K row against a q8_0 query: the CPU's (SIMD) or the scalar reference; nullptr for
-// other types
-ggml_vec_dot_t get_kvc_vec_dot(ggml_type t, bool ref) {
-    switch (t) {
-        case GGML_TYPE_KVC8: return ref ? ggml_vec_dot_kvc8_q8_0_generic : ggml_vec_dot_kvc8_q8_0;
-        case GGML_TYPE_KVC4: return ref ? ggml_vec_dot_kvc4_q8_0_generic : ggml_vec_dot_kvc4_q8_0;
-        case GGML_TYPE_KVC3: return ref ? ggml_vec_dot_kvc3_q8_0_generic : ggml_vec_dot_kvc3_q8_0;
-        case GGML_TYPE_KVC2: return ref ? ggml_vec_dot_kvc2_q8_0_generic : ggml_vec_dot_kvc2_q8_0;
-        default:             return nullptr;
+static_assert(KVC_DEC_GROUP <= GGML_KVC_DOT_MULTI_MAX, "a packed K row is scored for all heads of a group at once");
+
+// acc[DV] += sum over the n rows i of w[i] * vt[i]: the accumulator stays in registers over
+// the tile's rows (ggml_vec_mad_f32 would load and store it once per row). Each element is
+// the same chain of fused multiply-adds at either width.
+void mad_rows(float * acc, const float (*vt)[KVC_DEC_MAX_D], const float * w, int n, int64_t DV, bool ref) {
+#if defined(__AVX512F__)
+    if (!ref && DV % 32 == 0) {
+        for (int64_t d0 = 0; d0 < DV; d0 += 32) {
+            __m512 a0 = _mm512_loadu_ps(acc + d0);
+            __m512 a1 = _mm512_loadu_ps(acc + d0 + 16);
+            for (int i = 0; i < n; ++i) {
+                const __m512 wi = _mm512_set1_ps(w[i]);
+                a0 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(vt[i] + d0), a0);
+                a1 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(vt[i] + d0 + 16), a1);
+            }
+            _mm512_storeu_ps(acc + d0, a0);
+            _mm512_storeu_ps(acc + d0 + 16, a1);
+        }
+        return;
+    }
+#elif defined(KVC_AVX2)
+    if (!ref && DV % 32 == 0) {
+        for (int64_t d0 = 0; d0 < DV; d0 += 32) {
+            __m256 a0 = _mm256_loadu_ps(acc + d0 +  0);
+            __m256 a1 = _mm256_loadu_ps(acc + d0 +  8);
+            __m256 a2 = _mm256_loadu_ps(acc + d0 + 16);
+            __m256 a3 = _mm256_loadu_ps(acc + d0 + 24);
+            for (int i = 0; i < n; ++i) {
+                const __m256  wi = _mm256_set1_ps(w[i]);
+                const float * vr = vt[i] + d0;
+                a0 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr +  0), a0);
+                a1 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr +  8), a1);
+                a2 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr + 16), a2);
+                a3 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr + 24), a3);
+            }
+            _mm256_storeu_ps(acc + d0 +  0, a0);
+            _mm256_storeu_ps(acc + d0 +  8, a1);
+            _mm256_storeu_ps(acc + d0 + 16, a2);
+            _mm256_storeu_ps(acc + d0 + 24, a3);
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < n; ++i) {
+        mad_f32(acc, vt[i], w[i], DV, ref);
     }
 }
 
@@ -299,9 +353,9 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
     const fa_src & K = a.k[is];
     const fa_src & V = a.v[is];
     const bool ref = a.ref;
-    const row_to_f32_t k_to_f32 = get_row_to_f32(K.type, ref);
-    const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref);
-    const ggml_vec_dot_t k_dot    = get_kvc_vec_dot(K.type, ref);
+    const row_to_f32_t k_to_f32 = get_row_to_f32(K.type, ref, is == KVC_FA_SRC_UBATCH);
+    const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref, is == KVC_FA_SRC_UBATCH);
+    const ggml_kvc_vec_dot_multi_t k_dot = ggml_kvc_cpu_get_vec_dot_multi(K.type, ref);
     const int64_t DK = a.DK, DV = a.DV;
     const bool shared_mask = !a.mask || (a.mask->ne[2] == 1 && a.max_bias <= 0.0f);
 
@@ -327,11 +381,11 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
                 // A packed row meets the query rounded to q8_0 in integers, as upstream scores
                 // its quantized K caches, with no F32 copy of the row (the prompt kernel keeps
                 // F32 queries; test-kvc-llama bounds what the two differ).
+                float d[KVC_DEC_GROUP];
+                k_dot((int) DK, d, K.row(t0 + j, hk, s), st.q8, sizeof(st.q8[0]), (int) gn);
                 for (int64_t g = 0; g < gn; ++g) {
                     if (sc[g][j] != -INFINITY) {
-                        float d;
-                        k_dot((int) DK, &d, 0, K.row(t0 + j, hk, s), 0, st.q8[g], 0, 1);
-                        sc[g][j] = a.score(d, sc[g][j]);
+                        sc[g][j] = a.score(d[g], sc[g][j]);
                     }
                 }
                 continue;
@@ -362,35 +416,12 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
                 live[n_live++] = j;
             }
         }
-#if defined(KVC_AVX2)
-        if (!ref && DV % 32 == 0) {
-            for (int64_t g = 0; g < gn; ++g) {
-                for (int64_t d0 = 0; d0 < DV; d0 += 32) {
-                    __m256 a0 = _mm256_loadu_ps(st.acc[g] + d0 +  0);
-                    __m256 a1 = _mm256_loadu_ps(st.acc[g] + d0 +  8);
-                    __m256 a2 = _mm256_loadu_ps(st.acc[g] + d0 + 16);
-                    __m256 a3 = _mm256_loadu_ps(st.acc[g] + d0 + 24);
-                    for (int i = 0; i < n_live; ++i) {
-                        const __m256  w  = _mm256_set1_ps(sc[g][live[i]]);
-                        const float * vr = vt[i] + d0;
-                        a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr +  0), a0);
-                        a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr +  8), a1);
-                        a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
-                        a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
-                    }
-                    _mm256_storeu_ps(st.acc[g] + d0 +  0, a0);
-                    _mm256_storeu_ps(st.acc[g] + d0 +  8, a1);
-                    _mm256_storeu_ps(st.acc[g] + d0 + 16, a2);
-                    _mm256_storeu_ps(st.acc[g] + d0 + 24, a3);
-                }
-            }
-            continue;
-        }
-#endif
         for (int64_t g = 0; g < gn; ++g) {
+            float w[KVC_DEC_TILE];
             for (int i = 0; i < n_live; ++i) {
-                mad_f32(st.acc[g], vt[i], sc[g][live[i]], DV, ref);
+                w[i] = sc[g][live[i]];
             }
+            mad_rows(st.acc[g], vt, w, n_live, DV, ref);
         }
     }
 }
@@ -547,8 +578,8 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
         if (K.n == 0) {
             continue;
         }
-        const row_to_f32_t k_to_f32 = get_row_to_f32(K.type, ref);
-        const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref);
+        const row_to_f32_t k_to_f32 = get_row_to_f32(K.type, ref, is == KVC_FA_SRC_UBATCH);
+        const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref, is == KVC_FA_SRC_UBATCH);
 
         for (int64_t j0 = 0; j0 < K.n; j0 += TK) {
             const int nk = (int) std::min(TK, K.n - j0);

@@ -6,9 +6,11 @@
 
 #include <string.h>
 
-// One exact part: F16 rows with the main pair's head size, KV heads and streams.
-static void kvc_check_exact(const struct ggml_tensor * main, const struct ggml_tensor * part) {
-    GGML_ASSERT(part->type == GGML_TYPE_F16 && part->nb[0] == ggml_type_size(GGML_TYPE_F16));
+// One exact part: F16 rows (F32 also for the ubatch's, read as their F16 rounding) with the
+// main pair's head size, KV heads and streams.
+static void kvc_check_exact(const struct ggml_tensor * main, const struct ggml_tensor * part, bool f32_ok) {
+    GGML_ASSERT((part->type == GGML_TYPE_F16 || (f32_ok && part->type == GGML_TYPE_F32)) &&
+                part->nb[0] == ggml_type_size(part->type));
     GGML_ASSERT(part->ne[0] == main->ne[0] && part->ne[2] == main->ne[2] && part->ne[3] == main->ne[3]);
 }
 
@@ -20,13 +22,13 @@ void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_tensor * 
     const struct ggml_tensor * mask = a->src[3];
     GGML_ASSERT(k_exact && v_exact && "the exact K and V come together");
     GGML_ASSERT(!k_ubatch == !v_ubatch && "the ubatch's K and V come together");
-    kvc_check_exact(k, k_exact);
-    kvc_check_exact(v, v_exact);
+    kvc_check_exact(k, k_exact, false);
+    kvc_check_exact(v, v_exact, false);
     GGML_ASSERT(k_exact->ne[1] == v_exact->ne[1]);
     int64_t n_keys = k->ne[1] + k_exact->ne[1];
     if (k_ubatch) {
-        kvc_check_exact(k, k_ubatch);
-        kvc_check_exact(v, v_ubatch);
+        kvc_check_exact(k, k_ubatch, true);
+        kvc_check_exact(v, v_ubatch, true);
         GGML_ASSERT(k_ubatch->ne[1] == v_ubatch->ne[1]);
         n_keys += k_ubatch->ne[1];
     }

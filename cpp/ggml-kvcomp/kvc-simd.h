@@ -24,10 +24,19 @@ static inline float kvc_hsum_f32_8(__m256 v) {
 }
 
 // Signed int8 x int8 products summed in groups of four: lanes 0-3 cover values 0..15,
-// lanes 4-7 values 16..31. The levels are within +-127 so maddubs cannot saturate.
-static inline __m256i kvc_dot_i8_groups(__m256i x, __m256i y) {
-    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+// lanes 4-7 values 16..31, given ax = |x|. The levels are within +-127, so maddubs cannot
+// saturate and VNNI's one instruction gives the same sums.
+static inline __m256i kvc_dot_i8_groups_abs(__m256i ax, __m256i x, __m256i y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, _mm256_sign_epi8(y, x));
+#else
+    const __m256i p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x));
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256i kvc_dot_i8_groups(__m256i x, __m256i y) {
+    return kvc_dot_i8_groups_abs(_mm256_sign_epi8(x, x), x, y);
 }
 
 static inline __m256 kvc_sub_scales(float d0, float d1, float dy) {

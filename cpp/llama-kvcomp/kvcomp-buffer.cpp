@@ -510,9 +510,7 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     ggml_tensor * exact_ub = nullptr;
     if (cur) {
         const int64_t n_tps = cur->ne[1] / ns;
-        ggml_tensor * uv = ggml_view_4d(ctx0, cur, ne0, ne1, n_tps, ns,
-                ggml_row_size(cur->type, ne0), cur->nb[1], cur->nb[1] * n_tps, 0);
-        exact_ub = ggml_cast(ctx0, uv, GGML_TYPE_F16);
+        exact_ub = ggml_view_4d(ctx0, cur, ne0, ne1, n_tps, ns, ggml_row_size(cur->type, ne0), cur->nb[1], cur->nb[1] * n_tps, 0);
     }
     written = nullptr;
     cur     = nullptr;
@@ -522,10 +520,11 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
         // Device caches: until the GPU kernels read the exact rows as their own sources
         // (issue 21), attention reads an F16 copy of the main cells joined to them.
         ggml_tensor * all = ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F16), exact, 2);
-        return exact_ub ? ggml_concat(ctx0, all, exact_ub, 2) : all;
+        return exact_ub ? ggml_concat(ctx0, all, ggml_cast(ctx0, exact_ub, GGML_TYPE_F16), 2) : all;
     }
     // Host caches: attention reads the main cells where they lie and the exact rows as further
-    // sources, attached to the node by llama_kvcomp_add_exact, which finds them by these names.
+    // sources, attached to the node by llama_kvcomp_add_exact, which finds them by these names
+    // (the ubatch's F32 rows are read as their F16 rounding, so no cast node).
     const char c = is_k ? 'k' : 'v';
     ggml_format_name(main_view, "kvcomp_main_%c-%d", c, il);
     ggml_format_name(exact, "kvcomp_exact_%c-%d", c, il);

@@ -402,8 +402,10 @@ void test_flash_attn_exact(report & rep, ggml_type tk, ggml_type tv, int d, cons
     auto part = [&](ggml_tensor * t, int j0, int n) {
         return ggml_view_4d(g.ctx, t, d, n, n_head_kv, ns, t->nb[1], t->nb[2], t->nb[3], j0 * t->nb[1]);
     };
-    ggml_tensor * kx_ub = n_ub ? part(kx, n_exact - n_ub, n_ub) : nullptr;
-    ggml_tensor * vx_ub = n_ub ? part(vx, n_exact - n_ub, n_ub) : nullptr;
+    // the ubatch's rows in F32 as the buffer gives them (read as their F16 rounding), in F16
+    // for the shapes with two streams
+    ggml_tensor * kx_ub = n_ub ? part(ns == 1 ? tke : kx, n_exact - n_ub, n_ub) : nullptr;
+    ggml_tensor * vx_ub = n_ub ? part(ns == 1 ? tve : vx, n_exact - n_ub, n_ub) : nullptr;
     if (!tm) {
         // without a mask the node cannot say how its keys split; ggml_flash_attn_ext_add_exact
         // requires one, so this shape attaches the sources directly

@@ -147,6 +147,34 @@ void test_vec_dot(report & rep, ggml_type type, ggml_vec_dot_t generic) {
     rep.check(max_ref  <= 1e-5, "%s vec_dot scalar vs float dot of dequantized rows: max rel diff %.2e <= 1e-5", ggml_type_name(type), max_ref);
 }
 
+// The multi-row dot product (one kvc row, several q8_0 query rows) gives each row's vec_dot
+// bit for bit, SIMD against the dispatching vec_dot and the reference against the scalar one.
+void test_vec_dot_multi(report & rep, ggml_type type, ggml_vec_dot_t generic) {
+    const auto * cpu = ggml_get_type_traits_cpu(type);
+    const auto * q8  = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
+    const auto x = make_rows(dist::gaussian, 1, N, 41);
+    const auto y = make_rows(dist::student_t3, GGML_KVC_DOT_MULTI_MAX, N, 42);
+    const size_t by = ggml_row_size(GGML_TYPE_Q8_0, N);
+    std::vector<uint8_t> qx(ggml_row_size(type, N));
+    std::vector<uint8_t> qy(by * GGML_KVC_DOT_MULTI_MAX);
+    cpu->from_float(x.data(), qx.data(), N);
+    q8->from_float(y.data(), qy.data(), (int64_t) y.size());
+    for (int ny : { 1, 3, GGML_KVC_DOT_MULTI_MAX }) {
+        float s_simd[GGML_KVC_DOT_MULTI_MAX], s_ref[GGML_KVC_DOT_MULTI_MAX];
+        ggml_kvc_cpu_get_vec_dot_multi(type, false)(N, s_simd, qx.data(), qy.data(), by, ny);
+        ggml_kvc_cpu_get_vec_dot_multi(type, true)(N, s_ref, qx.data(), qy.data(), by, ny);
+        int n_same = 0;
+        for (int g = 0; g < ny; ++g) {
+            float e_simd = 0.0f, e_ref = 0.0f;
+            cpu->vec_dot(N, &e_simd, 0, qx.data(), 0, qy.data() + g * by, 0, 1);
+            generic(N, &e_ref, 0, qx.data(), 0, qy.data() + g * by, 0, 1);
+            n_same += std::memcmp(&e_simd, &s_simd[g], sizeof(float)) == 0 && std::memcmp(&e_ref, &s_ref[g], sizeof(float)) == 0;
+        }
+        rep.check(n_same == ny, "%s vec_dot over %d query rows equals %d single vec_dots bit for bit (%d)",
+            ggml_type_name(type), ny, ny, n_same);
+    }
+}
+
 // The CPU quantizer (SIMD step search where the build has it) writes the reference's bytes:
 // every distribution, zero and non-finite values, magnitudes near both ends of the step codes.
 void test_cpu_from_float(report & rep, ggml_type type) {
@@ -203,11 +231,13 @@ int main() {
         test_zero_rows(rep, t);
         test_non_finite(rep, t);
         test_vec_dot(rep, t, generic[i]);
+        test_vec_dot_multi(rep, t, generic[i]);
         test_cpu_to_float(rep, t);
         test_cpu_from_float(rep, t);
     }
     rep.check(ggml_kvc_cpu_get_to_float(GGML_TYPE_Q4_0) == ggml_get_type_traits(GGML_TYPE_Q4_0)->to_float,
         "other types keep upstream's row dequantization");
+    rep.check(ggml_kvc_cpu_get_vec_dot_multi(GGML_TYPE_Q8_0, false) == nullptr, "no multi-row kvc dot product for q8_0");
 
     rep.check(ggml_kvcomp_type_from_name("kvc4") == GGML_TYPE_KVC4, "type_from_name(kvc4)");
     rep.check(ggml_kvcomp_type_from_name("kvc5") == GGML_TYPE_COUNT, "type_from_name(kvc5) is unknown");
