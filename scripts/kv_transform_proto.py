@@ -23,8 +23,10 @@ import argparse
 import ctypes
 import itertools
 import json
+import math
 from functools import cache
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 from kv_rows_gain import load, pre_rope_weight, rope_cos_sin, rope_pairs, summary
@@ -37,20 +39,26 @@ MAX_BITS = 8
 
 @cache
 def lloyd_max(bits: int) -> tuple[np.ndarray, float]:
-    """Levels of the MSE-optimal quantizer of a unit Gaussian at `bits` (Lloyd's iteration on
-    a fine grid), and its distortion."""
+    """Levels of the MSE-optimal quantizer of a unit Gaussian at `bits` and its distortion:
+    Lloyd's iteration on a fine grid, from the high-rate optimum (the quantiles of a Gaussian
+    of variance 3), kept symmetric, until the levels move less than 1e-8."""
     if bits == 0:
         return np.zeros(1), 1.0
-    x = np.linspace(-8.0, 8.0, 200001)
+    x = np.linspace(-10.0, 10.0, 200001)
     p = np.exp(-0.5 * x * x)
     p /= p.sum()
     n = 1 << bits
-    levels = np.quantile(np.random.default_rng(0).standard_normal(200000), (np.arange(n) + 0.5) / n)
-    for _ in range(300):
+    inv = NormalDist(0.0, math.sqrt(3.0)).inv_cdf
+    levels = np.array([inv((i + 0.5) / n) for i in range(n)])
+    for _ in range(20000):
         edges = 0.5 * (levels[1:] + levels[:-1])
         cell = np.searchsorted(edges, x)
-        mass = np.bincount(cell, p, n)
-        levels = np.bincount(cell, p * x, n) / np.maximum(mass, 1e-300)
+        new = np.bincount(cell, p * x, n) / np.maximum(np.bincount(cell, p, n), 1e-300)
+        new = 0.5 * (new - new[::-1])
+        done = float(np.abs(new - levels).max()) < 1e-8
+        levels = new
+        if done:
+            break
     edges = 0.5 * (levels[1:] + levels[:-1])
     dist = float((p * (x - levels[np.searchsorted(edges, x)]) ** 2).sum())
     return levels, dist
@@ -80,6 +88,11 @@ def ggml_base() -> ctypes.CDLL:
     for name in ("quantize_row_kvc4_ref", "dequantize_row_kvc4"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.kvc_t_plan_fit.restype = ctypes.c_bool
+    lib.kvc_t_plan_fit.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int32]
+    for name in ("quantize_row_kvct_ref", "dequantize_row_kvct"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -92,6 +105,57 @@ def kvc4_round_trip(rows: np.ndarray) -> np.ndarray:
     lib.quantize_row_kvc4_ref(x.ctypes.data, q.ctypes.data, len(x))
     lib.dequantize_row_kvc4(q.ctypes.data, y.ctypes.data, len(x))
     return y.reshape(rows.shape).astype(np.float64)
+
+
+KVC_T_MAX_D = 256
+KVC_T_BASIS = {"pre-pairs": 0, "post-pairs": 1}  # enum kvc_t_basis
+
+
+class KvcTPlan(ctypes.Structure):
+    """kvc_t_plan (cpp/ggml-kvcomp/kvc-transform.h)."""
+
+    _fields_ = [
+        ("d", ctypes.c_int32),
+        ("row_bits", ctypes.c_int32),
+        ("pair", (ctypes.c_int16 * 2) * (KVC_T_MAX_D // 2)),
+        ("rot", (ctypes.c_float * 2) * (KVC_T_MAX_D // 2)),
+        ("mean", ctypes.c_float * KVC_T_MAX_D),
+        ("sigma", ctypes.c_float * KVC_T_MAX_D),
+        ("bits", ctypes.c_uint8 * KVC_T_MAX_D),
+    ]
+
+
+class KvcTStats(ctypes.Structure):
+    """kvc_t_stats: pointers to the arrays below, kept alive by the caller."""
+
+    _fields_ = [("d", ctypes.c_int32), ("pair", ctypes.c_void_p), ("mean", ctypes.c_void_p),
+                ("k2", ctypes.c_void_p), ("w", ctypes.c_void_p)]
+
+
+def kvct_round_trip(rows: np.ndarray, calib: np.ndarray, weight_m: np.ndarray, pairs: np.ndarray, space: str,
+                    row_bits: int) -> np.ndarray:
+    """The C reference of the transform-coded row (libggml-base's kvc_t_*): a plan fitted to
+    the calibration rows' mean and centred pair moments under the pairs' query weights, then
+    every row coded and decoded."""
+    lib = ggml_base()
+    d = rows.shape[1]
+    mean = np.ascontiguousarray(calib.mean(0), dtype=np.float32)
+    cov = np.cov((calib - mean).T, bias=True)
+    a, b = pairs[:, 0], pairs[:, 1]
+    k2 = np.ascontiguousarray(np.stack([cov[a, a], cov[a, b], cov[b, b]], 1), dtype=np.float32)
+    w = np.ascontiguousarray(np.stack([weight_m[a, a], weight_m[a, b], weight_m[b, b]], 1), dtype=np.float32)
+    pr = np.ascontiguousarray(pairs, dtype=np.int16)
+    stats = KvcTStats(d, pr.ctypes.data, mean.ctypes.data, k2.ctypes.data, w.ctypes.data)
+    plan = KvcTPlan()
+    if not lib.kvc_t_plan_fit(ctypes.byref(plan), ctypes.byref(stats), KVC_T_BASIS[space], row_bits):
+        raise ValueError("kvc_t_plan_fit refused the statistics")
+    x = np.ascontiguousarray(rows, dtype=np.float32)
+    q = np.zeros((row_bits + 7) // 8, dtype=np.uint8)
+    out = np.zeros_like(x)
+    for i in range(len(x)):
+        lib.quantize_row_kvct_ref(ctypes.byref(plan), x[i].ctypes.data, q.ctypes.data)
+        lib.dequantize_row_kvct(ctypes.byref(plan), q.ctypes.data, out[i].ctypes.data)
+    return out.astype(np.float64)
 
 
 def hadamard(d: int) -> np.ndarray:
@@ -114,14 +178,15 @@ def rope_turn(err: np.ndarray, kpre: np.ndarray, kpost: np.ndarray, pairs: np.nd
 
 
 def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.ndarray, qe: np.ndarray, calib: int,
-              bpe: float, space: str) -> tuple[float, float]:
+              bpe: float, space: str, reference: bool = False) -> tuple[float, float]:
     """(kvc4's query-weighted error over the coder's, and the same for K's plain error) on
     the K rows after `calib`; qc: the queries of the calibration rows, qe: later queries.
     space: "post" codes K after RoPE with its eigenbasis; "post-pairs" after RoPE in its own
     channels, uncentered, with the statistics of the two channels of a RoPE pair pooled (RoPE
     keeps a pair's energy, so they do not depend on the position); "pre" codes K before RoPE
     with its eigenbasis, "pre-pairs" with a 2x2 basis per RoPE pair (errors are turned by each
-    key's RoPE before the queries meet them)."""
+    key's RoPE before the queries meet them). reference: the pair spaces are coded by the C
+    reference (kvct_round_trip) instead of the numpy coder."""
     d = kpost.shape[1]
     k = kpre if space.startswith("pre") else kpost
     kc = k[:calib]
@@ -159,7 +224,10 @@ def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.nda
     rms_row = np.sqrt((y[:, bits > 0] ** 2).mean(1)) if (bits > 0).any() else np.ones(len(y))
     s = 2.0 ** (np.round(8 * np.log2(np.maximum(rms_row, 1e-30))) / 8)
     yq = np.stack([quantize(y[:, i] / s, int(bits[i])) for i in range(d)], 1) * s[:, None]
-    err = ke - ((yq * np.sqrt(var)) @ tb + c)
+    if reference:
+        err = ke - kvct_round_trip(ke, kc, weight_m if space == "pre-pairs" else cq, pairs, space, round(bpe * d))
+    else:
+        err = ke - ((yq * np.sqrt(var)) @ tb + c)
     if space.startswith("pre"):
         err = rope_turn(err, kpre[calib:], kpost[calib:], pairs)
     h = hadamard(d)
@@ -179,7 +247,11 @@ def main() -> None:
     p.add_argument("--calib", type=int, nargs="+", default=[512])
     p.add_argument("--queries", type=int, default=512, help="later queries the weighted error averages over")
     p.add_argument("--space", nargs="+", default=["post", "pre", "pre-pairs"], choices=["post", "post-pairs", "pre", "pre-pairs"])
+    p.add_argument("--reference", action="store_true",
+                   help="code the pair spaces with the C reference (libggml-base's kvc_t_*) instead of numpy")
     args = p.parse_args()
+    if args.reference and not set(args.space) <= set(KVC_T_BASIS):
+        p.error("--reference codes the pair spaces only (pre-pairs, post-pairs)")
     meta = json.loads(Path(f"{args.prefix}.json").read_text())
     n_kv, n_q, hd = meta["n_head_kv"], meta["n_head"], meta["head_dim"]
     group = n_q // n_kv
@@ -199,10 +271,11 @@ def main() -> None:
                 qcal = qh[:, :calib].reshape(-1, hd)
                 later = qh[:, calib:].reshape(-1, hd)
                 qlater = later[rng.choice(len(later), min(args.queries, len(later)), replace=False)]
-                w, e = code_head(kpost[il, h], kpre[il, h], pairs, qcal, qlater, calib, bpe, space)
+                w, e = code_head(kpost[il, h], kpre[il, h], pairs, qcal, qlater, calib, bpe, space, args.reference)
                 gw.append(w)
                 gk.append(e)
-        print(f"| {space} | {bpe:g} | {calib} | {summary(np.array(gw))} | {summary(np.array(gk))} |")
+        coder = "C reference" if args.reference else "numpy"
+        print(f"| {space} ({coder}) | {bpe:g} | {calib} | {summary(np.array(gw))} | {summary(np.array(gk))} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,239 @@
+// Reference of the transform-coded K row (kvc-transform.h): plan fitting, row coding and
+// decoding, scalar and backend independent.
+
+#include "kvc-transform.h"
+#include "kvc-common.h"
+#include "kvc-lloyd-max.h"
+
+#include <math.h>
+#include <string.h>
+
+static_assert(KVC_LM_MAX_BITS == KVC_T_MAX_BITS, "the Lloyd-Max table covers every bit count of a coefficient");
+
+static const float kvc_lm_levels[] = KVC_LM_LEVELS;
+static const float kvc_lm_dist[KVC_T_MAX_BITS + 1] = KVC_LM_DIST;
+
+static_assert(sizeof(kvc_lm_levels) / sizeof(kvc_lm_levels[0]) == (2u << KVC_T_MAX_BITS) - 2,
+              "2^b levels for each b = 1..8");
+
+float kvc_t_lloyd_max_dist(int bits) {
+    return bits >= 0 && bits <= KVC_T_MAX_BITS ? kvc_lm_dist[bits] : 1.0f;
+}
+
+// the 2^b levels of b bits
+static inline const float * kvc_t_levels(int b) {
+    return kvc_lm_levels + ((1 << b) - 2);
+}
+
+// Whether the pairs of a d-channel row name every channel exactly once.
+static bool kvc_t_pairs_valid(const int16_t (*pair)[2], int32_t d) {
+    uint8_t seen[KVC_T_MAX_D] = { 0 };
+    for (int32_t p = 0; p < d / 2; ++p) {
+        for (int i = 0; i < 2; ++i) {
+            const int c = pair[p][i];
+            if (c < 0 || c >= d || seen[c]) {
+                return false;
+            }
+            seen[c] = 1;
+        }
+    }
+    return true;
+}
+
+bool kvc_t_plan_fit(kvc_t_plan * plan, const kvc_t_stats * stats, enum kvc_t_basis basis, int32_t row_bits) {
+    const int32_t d = stats->d;
+    if (d < 2 || d > KVC_T_MAX_D || d % 2 != 0 || row_bits < 8 || row_bits > 8 + KVC_T_MAX_BITS * d ||
+        !kvc_t_pairs_valid(stats->pair, d)) {
+        return false;
+    }
+    for (int32_t p = 0; p < d / 2; ++p) {
+        const float * m = stats->k2[p];
+        const float * w = stats->w[p];
+        for (int i = 0; i < 3; ++i) {
+            if (!isfinite(m[i]) || !isfinite(w[i])) {
+                return false;
+            }
+        }
+        if (m[0] < 0.0f || m[2] < 0.0f || w[0] < 0.0f || w[2] < 0.0f ||
+            !isfinite(stats->mean[stats->pair[p][0]]) || !isfinite(stats->mean[stats->pair[p][1]])) {
+            return false;
+        }
+    }
+
+    kvc_t_plan out;
+    memset(&out, 0, sizeof(out));
+    out.d = d;
+    float var[KVC_T_MAX_D];
+    float wgt[KVC_T_MAX_D];
+    for (int32_t p = 0; p < d / 2; ++p) {
+        const int a = stats->pair[p][0];
+        const int b = stats->pair[p][1];
+        out.pair[p][0] = (int16_t) a;
+        out.pair[p][1] = (int16_t) b;
+        double saa = stats->k2[p][0], sab = stats->k2[p][1], sbb = stats->k2[p][2];
+        const double waa = stats->w[p][0], wab = stats->w[p][1], wbb = stats->w[p][2];
+        if (basis == KVC_T_BASIS_POOLED) {
+            // after RoPE a mean turns with the position: it stays in the row, in the moments
+            const double ma = stats->mean[a], mb = stats->mean[b];
+            const double e = 0.5 * (saa + ma * ma + sbb + mb * mb);
+            out.rot[p][0] = 1.0f;
+            out.rot[p][1] = 0.0f;
+            var[a] = var[b] = (float) e;
+            wgt[a] = wgt[b] = (float) (0.5 * (waa + wbb));
+            continue;
+        }
+        // the major axis (c, s) of the pair's second moments becomes coefficient a
+        const double th = 0.5 * atan2(2.0 * sab, saa - sbb);
+        const double c = cos(th), s = sin(th);
+        out.rot[p][0] = (float) c;
+        out.rot[p][1] = (float) s;
+        out.mean[a] = stats->mean[a];
+        out.mean[b] = stats->mean[b];
+        var[a] = (float) fmax(0.0, c * c * saa + 2.0 * c * s * sab + s * s * sbb);
+        var[b] = (float) fmax(0.0, s * s * saa - 2.0 * c * s * sab + c * c * sbb);
+        wgt[a] = (float) fmax(0.0, c * c * waa + 2.0 * c * s * wab + s * s * wbb);
+        wgt[b] = (float) fmax(0.0, s * s * waa - 2.0 * c * s * wab + c * c * wbb);
+    }
+    for (int32_t j = 0; j < d; ++j) {
+        // a coefficient that never moved keeps a tiny scale and, its weight 0, no bits
+        out.sigma[j] = fmaxf(sqrtf(var[j]), 1e-20f);
+    }
+    for (int32_t budget = row_bits - 8; budget > 0; --budget) {
+        int32_t best = -1;
+        float   gain = -1.0f;
+        for (int32_t j = 0; j < d; ++j) {
+            if (out.bits[j] < KVC_T_MAX_BITS) {
+                const float g = wgt[j] * var[j] * (kvc_lm_dist[out.bits[j]] - kvc_lm_dist[out.bits[j] + 1]);
+                if (g > gain) {
+                    gain = g;
+                    best = j;
+                }
+            }
+        }
+        out.bits[best]++;
+    }
+    out.row_bits = row_bits;
+    *plan = out;
+    return true;
+}
+
+bool kvc_t_plan_valid(const kvc_t_plan * plan) {
+    const int32_t d = plan->d;
+    if (d < 2 || d > KVC_T_MAX_D || d % 2 != 0 || !kvc_t_pairs_valid(plan->pair, d)) {
+        return false;
+    }
+    int32_t sum = 8;
+    for (int32_t j = 0; j < d; ++j) {
+        if (plan->bits[j] > KVC_T_MAX_BITS || !isfinite(plan->mean[j]) || !isfinite(plan->sigma[j]) || !(plan->sigma[j] > 0.0f)) {
+            return false;
+        }
+        sum += plan->bits[j];
+    }
+    for (int32_t p = 0; p < d / 2; ++p) {
+        const float c = plan->rot[p][0], s = plan->rot[p][1];
+        if (!(fabsf(c * c + s * s - 1.0f) <= 1e-4f)) {
+            return false;
+        }
+    }
+    return sum == plan->row_bits;
+}
+
+void kvc_t_forward(const kvc_t_plan * plan, const float * GGML_RESTRICT x, float * GGML_RESTRICT y) {
+    for (int32_t p = 0; p < plan->d / 2; ++p) {
+        const int   a = plan->pair[p][0], b = plan->pair[p][1];
+        const float c = plan->rot[p][0], s = plan->rot[p][1];
+        const float xa = x[a] - plan->mean[a];
+        const float xb = x[b] - plan->mean[b];
+        y[a] =  c * xa + s * xb;
+        y[b] = -s * xa + c * xb;
+    }
+}
+
+void kvc_t_inverse(const kvc_t_plan * plan, const float * GGML_RESTRICT y, float * GGML_RESTRICT x) {
+    for (int32_t p = 0; p < plan->d / 2; ++p) {
+        const int   a = plan->pair[p][0], b = plan->pair[p][1];
+        const float c = plan->rot[p][0], s = plan->rot[p][1];
+        x[a] = c * y[a] - s * y[b] + plan->mean[a];
+        x[b] = s * y[a] + c * y[b] + plan->mean[b];
+    }
+}
+
+// Index of the level of b bits nearest to u (ties go down).
+static int kvc_t_nearest(int b, float u) {
+    const float * lv = kvc_t_levels(b);
+    int lo = 0, hi = (1 << b) - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (u > 0.5f * (lv[mid] + lv[mid + 1])) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
+// The row scale's code: the 1/8-octave step code (kvc_e8_to_fp32) nearest to s in the log
+// domain, 0 for s = 0.
+static uint8_t kvc_t_scale_code(float s) {
+    if (!(s > 0.0f)) {
+        return 0;
+    }
+    const float e = roundf(8.0f * log2f(s)) + 160.0f;
+    return (uint8_t) (e < 1.0f ? 1 : e > (float) KVC_E8_MAX ? KVC_E8_MAX : e);
+}
+
+void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y) {
+    const int32_t d = plan->d;
+    float xs[KVC_T_MAX_D] = { 0 };
+    float u[KVC_T_MAX_D];
+    for (int32_t j = 0; j < d; ++j) {
+        xs[j] = isfinite(x[j]) ? x[j] : plan->mean[j];
+    }
+    kvc_t_forward(plan, xs, u);
+
+    // the scale: the RMS of the coded coefficients in units of their sigma
+    double ss = 0.0;
+    int    n  = 0;
+    for (int32_t j = 0; j < d; ++j) {
+        u[j] /= plan->sigma[j];
+        if (plan->bits[j] > 0) {
+            ss += (double) u[j] * (double) u[j];
+            ++n;
+        }
+    }
+    memset(y, 0, kvc_t_row_size(plan->row_bits));
+    const uint8_t e = kvc_t_scale_code(n > 0 ? (float) sqrt(ss / n) : 0.0f);
+    y[0] = e;
+    if (e == 0) {
+        return;
+    }
+    const float inv = 1.0f / kvc_e8_to_fp32(e);
+    int32_t pos = 8;
+    for (int32_t j = 0; j < d; ++j) {
+        const int b = plan->bits[j];
+        if (b == 0) {
+            continue;
+        }
+        const uint32_t code = (uint32_t) kvc_t_nearest(b, u[j] * inv);
+        for (int i = 0; i < b; ++i, ++pos) {
+            y[pos / 8] |= (uint8_t) (((code >> i) & 1u) << (pos % 8));
+        }
+    }
+}
+
+void dequantize_row_kvct(const kvc_t_plan * plan, const uint8_t * GGML_RESTRICT x, float * GGML_RESTRICT y) {
+    const int32_t d = plan->d;
+    const float   s = kvc_e8_to_fp32(x[0]);
+    float v[KVC_T_MAX_D];
+    int32_t pos = 8;
+    for (int32_t j = 0; j < d; ++j) {
+        const int b = plan->bits[j];
+        uint32_t code = 0;
+        for (int i = 0; i < b; ++i, ++pos) {
+            code |= (uint32_t) ((x[pos / 8] >> (pos % 8)) & 1u) << i;
+        }
+        v[j] = b > 0 && s > 0.0f ? kvc_t_levels(b)[code] * plan->sigma[j] * s : 0.0f;
+    }
+    kvc_t_inverse(plan, v, y);
+}

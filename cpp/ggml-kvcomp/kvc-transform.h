@@ -1,0 +1,90 @@
+#pragma once
+
+// The transform-coded K row (issue 20; layout and rules in docs/formats.md, "kvct"): one
+// KV head's row of d values, coded with a plan fixed per layer and KV head from measured
+// statistics. The plan turns each RoPE pair of channels by its own 2x2 rotation (the pair's
+// principal axes before RoPE; the identity for rows after RoPE), removes a mean, and gives
+// each coefficient its own scale and number of bits (0..8), spending the row's budget
+// where the query-weighted energy is (greedy reverse water-filling). A row is one 8-bit
+// scale code and the coefficients' Lloyd-Max codes, packed one after the other.
+//
+// This is the scalar reference, backend independent: the plan's fitting, a row's coding and
+// decoding. Kernels and the cache's use of it build on it.
+
+#include "ggml.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVC_T_MAX_D    256 // the largest head size a plan holds
+#define KVC_T_MAX_BITS 8   // bits of one coefficient at most
+
+typedef struct {
+    int32_t d;                          // coefficients per row (the head size, even)
+    int32_t row_bits;                   // bits of a coded row: 8 (its scale) + the sum of bits[]
+    int16_t pair[KVC_T_MAX_D / 2][2];   // the channels of each RoPE pair (every channel once)
+    float   rot[KVC_T_MAX_D / 2][2];    // (cos, sin) of each pair's rotation
+    float   mean[KVC_T_MAX_D];          // removed before the rotation
+    float   sigma[KVC_T_MAX_D];         // scale of coefficient j (its RMS when the plan was fitted)
+    uint8_t bits[KVC_T_MAX_D];          // bits of coefficient j
+} kvc_t_plan;
+
+// How a plan's rotation is chosen: the principal axes of each pair's second moments (K
+// before RoPE), or none, with the pair's two channels pooled (K after RoPE, where a pair's
+// energy does not depend on the position but its direction does).
+enum kvc_t_basis {
+    KVC_T_BASIS_PAIR_AXES,
+    KVC_T_BASIS_POOLED,
+};
+
+// The statistics a plan is fitted from, per RoPE pair p of channels (a, b) = pair[p]:
+// mean[a], mean[b], the centred second moments k2[p] = {E[ka ka], E[ka kb], E[kb kb]}, and the
+// queries' weight w[p] = {W[a][a], W[a][b], W[b][b]} (W = E[q q'] of the queries that read the
+// head, or the identity to weigh every channel alike).
+typedef struct {
+    int32_t       d;
+    const int16_t (*pair)[2];
+    const float * mean;
+    const float (*k2)[3];
+    const float (*w)[3];
+} kvc_t_stats;
+
+// Bytes of a coded row of `row_bits` bits.
+static inline size_t kvc_t_row_size(int32_t row_bits) {
+    return (size_t) (row_bits + 7) / 8;
+}
+
+// Fits a plan to the statistics with a budget of row_bits bits per row (the row scale
+// included): rotations by `basis`, each coefficient's scale from its variance, and bits by
+// greedy allocation of the largest drop in weighted distortion (variance x query weight x
+// the Lloyd-Max distortion step), at most 8 per coefficient, ties to the lower index.
+// Returns false, leaving the plan untouched, for an odd or too large d, pairs that do not
+// cover every channel once, non-finite or negative statistics, or a budget outside
+// [8, 8 + 8d].
+GGML_API bool kvc_t_plan_fit(kvc_t_plan * plan, const kvc_t_stats * stats, enum kvc_t_basis basis, int32_t row_bits);
+
+// Whether a plan is one kvc_t_plan_fit could have written (a plan read from a file is
+// checked before use): sizes, pairs, unit rotations, finite means, positive finite scales,
+// bits and their sum.
+GGML_API bool kvc_t_plan_valid(const kvc_t_plan * plan);
+
+// The plan's transform of a row and its inverse (orthogonal: y = T (x - mean), x = T' y + mean).
+GGML_API void kvc_t_forward(const kvc_t_plan * plan, const float * GGML_RESTRICT x, float * GGML_RESTRICT y);
+GGML_API void kvc_t_inverse(const kvc_t_plan * plan, const float * GGML_RESTRICT y, float * GGML_RESTRICT x);
+
+// One row of plan->d values to kvc_t_row_size(plan->row_bits) bytes and back. A non-finite
+// value is taken as the plan's mean of its channel (it adds nothing to the row).
+GGML_API void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y);
+GGML_API void dequantize_row_kvct(const kvc_t_plan * plan, const uint8_t * GGML_RESTRICT x, float * GGML_RESTRICT y);
+
+// The Lloyd-Max distortion of a unit Gaussian at b bits (1 at 0 bits), from the shared table.
+GGML_API float kvc_t_lloyd_max_dist(int bits);
+
+#ifdef __cplusplus
+}
+#endif
