@@ -8,6 +8,10 @@
 #include <math.h>
 #include <string.h>
 
+// The row scale's search, in 1/8 octaves around the RMS's code (quantize_row_kvct_ref).
+#define KVC_T_SEARCH_DOWN 4
+#define KVC_T_SEARCH_UP   16
+
 static_assert(KVC_LM_MAX_BITS == KVC_T_MAX_BITS, "the Lloyd-Max table covers every bit count of a coefficient");
 
 static const float kvc_lm_levels[] = KVC_LM_LEVELS;
@@ -183,6 +187,20 @@ static uint8_t kvc_t_scale_code(float s) {
     return (uint8_t) (e < 1.0f ? 1 : e > (float) KVC_E8_MAX ? KVC_E8_MAX : e);
 }
 
+// The squared error in K's units of coding the coefficients u (in units of their sigma) at
+// the scale of code e.
+static double kvc_t_row_error(const kvc_t_plan * plan, const float * u, uint8_t e) {
+    const float s = kvc_e8_to_fp32(e);
+    const float inv = 1.0f / s;
+    double err = 0.0;
+    for (int32_t j = 0; j < plan->d; ++j) {
+        const int   b = plan->bits[j];
+        const float r = b > 0 ? u[j] - s * kvc_t_levels(b)[kvc_t_nearest(b, u[j] * inv)] : u[j];
+        err += (double) plan->sigma[j] * (double) plan->sigma[j] * (double) r * (double) r;
+    }
+    return err;
+}
+
 void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y) {
     const int32_t d = plan->d;
     float xs[KVC_T_MAX_D] = { 0 };
@@ -192,7 +210,10 @@ void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT 
     }
     kvc_t_forward(plan, xs, u);
 
-    // the scale: the RMS of the coded coefficients in units of their sigma
+    // the scale: from the RMS of the coded coefficients in units of their sigma, the code
+    // with the smallest error among KVC_T_SEARCH_DOWN below and KVC_T_SEARCH_UP above it (a
+    // row with a coefficient far out in its distribution is better served by a larger scale
+    // than by clipping it at the outermost level)
     double ss = 0.0;
     int    n  = 0;
     for (int32_t j = 0; j < d; ++j) {
@@ -203,11 +224,22 @@ void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT 
         }
     }
     memset(y, 0, kvc_t_row_size(plan->row_bits));
-    const uint8_t e = kvc_t_scale_code(n > 0 ? (float) sqrt(ss / n) : 0.0f);
-    y[0] = e;
-    if (e == 0) {
+    const uint8_t e0 = kvc_t_scale_code(n > 0 ? (float) sqrt(ss / n) : 0.0f);
+    if (e0 == 0) {
         return;
     }
+    uint8_t e = e0;
+    double  best = kvc_t_row_error(plan, u, e0);
+    for (int c = (int) e0 - KVC_T_SEARCH_DOWN; c <= (int) e0 + KVC_T_SEARCH_UP; ++c) {
+        if (c >= 1 && c <= KVC_E8_MAX && c != e0) {
+            const double err = kvc_t_row_error(plan, u, (uint8_t) c);
+            if (err < best) {
+                best = err;
+                e = (uint8_t) c;
+            }
+        }
+    }
+    y[0] = e;
     const float inv = 1.0f / kvc_e8_to_fp32(e);
     int32_t pos = 8;
     for (int32_t j = 0; j < d; ++j) {
