@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_transform_proto import MAX_BITS, lloyd_max  # noqa: E402
+from kv_transform_proto import MAX_BITS, lloyd_max
 
 
 def header() -> str:

@@ -246,7 +246,8 @@ def main() -> None:
     p.add_argument("--bpe", type=float, nargs="+", default=[4.5])
     p.add_argument("--calib", type=int, nargs="+", default=[512])
     p.add_argument("--queries", type=int, default=512, help="later queries the weighted error averages over")
-    p.add_argument("--space", nargs="+", default=["post", "pre", "pre-pairs"], choices=["post", "post-pairs", "pre", "pre-pairs"])
+    p.add_argument("--space", nargs="+", default=["post", "pre", "pre-pairs"],
+                   choices=["post", "post-pairs", "pre", "pre-pairs"])
     p.add_argument("--reference", action="store_true",
                    help="code the pair spaces with the C reference (libggml-base's kvc_t_*) instead of numpy")
     args = p.parse_args()
