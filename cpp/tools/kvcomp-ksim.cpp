@@ -15,14 +15,18 @@
 // coder (its input was computed for the callback's previous request), after it for the rest.
 //
 // Usage: llama-kvcomp-ksim -m MODEL -f TEXT -c N_CTX --chunks N --kcode f16,kvc4,pre-pairs:4.5
+//        [--exact-first N]
 // Prints one table row per coder: bits per K value, mean KLD against the exact run and its
-// standard error, over the second half of every chunk.
+// standard error, over the second half of every chunk. --exact-first N leaves the keys of
+// the first N positions exact, as the residual buffer's sinks keep them (and out of the
+// plans' statistics).
 
 #include "arg.h"
 #include "common.h"
 #include "log.h"
 #include "kvc-transform.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -44,6 +48,8 @@ struct ksim_coder {
 struct ksim_state {
     const ksim_coder * coder = nullptr;
     bool calibrate = false;           // this ubatch fixes the plans (the chunk's first)
+    int  pos0 = 0;                    // the position of the ubatch's first token
+    int  exact_first = 0;             // keys at positions below stay exact (the buffer's sinks)
     bool ok = true;
     std::vector<std::vector<kvc_t_plan>> plans;  // [layer][KV head]
     std::vector<std::vector<float>>      qw;     // [layer]: per query head and channel, mean q^2 of this ubatch
@@ -118,28 +124,31 @@ bool fit_layer(ksim_state & st, int il, const std::vector<float> & k, int64_t d,
             pair[2 * p]     = (int16_t) (neox ? p : 2 * p);
             pair[2 * p + 1] = (int16_t) (neox ? p + d / 2 : 2 * p + 1);
         }
+        // the rows that will be coded: not the ones kept exact
+        const int64_t t0 = std::min<int64_t>(n_tok - 1, std::max(0, st.exact_first - st.pos0));
+        const double  n  = (double) (n_tok - t0);
         std::vector<double> m(d, 0.0);
-        for (int64_t t = 0; t < n_tok; ++t) {
+        for (int64_t t = t0; t < n_tok; ++t) {
             for (int64_t i = 0; i < d; ++i) {
                 m[i] += k[(t * n_kv + h) * d + i];
             }
         }
         for (int64_t i = 0; i < d; ++i) {
-            mean[i] = (float) (m[i] / n_tok);
+            mean[i] = (float) (m[i] / n);
         }
         for (int64_t p = 0; p < d / 2; ++p) {
             const int a = pair[2 * p], b = pair[2 * p + 1];
             double saa = 0.0, sab = 0.0, sbb = 0.0;
-            for (int64_t t = 0; t < n_tok; ++t) {
+            for (int64_t t = t0; t < n_tok; ++t) {
                 const double xa = k[(t * n_kv + h) * d + a] - mean[a];
                 const double xb = k[(t * n_kv + h) * d + b] - mean[b];
                 saa += xa * xa;
                 sab += xa * xb;
                 sbb += xb * xb;
             }
-            k2[3 * p + 0] = (float) (saa / n_tok);
-            k2[3 * p + 1] = (float) (sab / n_tok);
-            k2[3 * p + 2] = (float) (sbb / n_tok);
+            k2[3 * p + 0] = (float) (saa / n);
+            k2[3 * p + 1] = (float) (sab / n);
+            k2[3 * p + 2] = (float) (sbb / n);
             double wq = 0.0;
             for (int64_t q = h * g; q < (h + 1) * g; ++q) {
                 wq += 0.5 * (qw[q * d + a] + qw[q * d + b]);
@@ -167,6 +176,8 @@ bool code_rows(ksim_state & st, int il, ggml_tensor * t, bool neox) {
     const int64_t d = t->ne[0], n_kv = t->ne[1], n_tok = t->ne[2];
     std::vector<float> k(ggml_nelements(t));
     ggml_backend_tensor_get(t, k.data(), 0, ggml_nbytes(t));
+    const int64_t n_exact = std::min<int64_t>(n_tok, std::max(0, st.exact_first - st.pos0));
+    const std::vector<float> exact(k.begin(), k.begin() + n_exact * n_kv * d);
     const ksim_coder & c = *st.coder;
     if (c.kind == KSIM_TYPE) {
         const auto * tr = ggml_get_type_traits(c.type);
@@ -194,6 +205,7 @@ bool code_rows(ksim_state & st, int il, ggml_tensor * t, bool neox) {
             }
         }
     }
+    std::copy(exact.begin(), exact.end(), k.begin());
     ggml_backend_tensor_set(t, k.data(), 0, ggml_nbytes(t));
     return true;
 }
@@ -264,15 +276,20 @@ void log_softmax(const float * x, int n, std::vector<double> & out) {
 
 int main(int argc, char ** argv) {
     // our options, taken out before upstream's parser sees the rest
+    ksim_state st;
     std::vector<ksim_coder> coders;
     int n_chunks = 4;
     std::vector<char *> rest;
     for (int i = 0; i < argc; ++i) {
         const std::string a = argv[i];
-        if ((a == "--kcode" || a == "--chunks") && i + 1 < argc) {
+        if ((a == "--kcode" || a == "--chunks" || a == "--exact-first") && i + 1 < argc) {
             const std::string v = argv[++i];
             if (a == "--chunks") {
                 n_chunks = atoi(v.c_str());
+                continue;
+            }
+            if (a == "--exact-first") {
+                st.exact_first = atoi(v.c_str());
                 continue;
             }
             size_t p0 = 0;
@@ -295,14 +312,13 @@ int main(int argc, char ** argv) {
     if (!common_params_parse((int) rest.size(), rest.data(), params, LLAMA_EXAMPLE_IMATRIX)) {
         return 1;
     }
-    if (params.prompt.empty() || params.n_ctx <= 0 || coders.empty() || n_chunks < 1) {
-        LOG_ERR("usage: %s -m MODEL -f TEXT -c N_CTX --chunks N --kcode CODER[,CODER...]\n", argv[0]);
+    if (params.prompt.empty() || params.n_ctx <= 0 || coders.empty() || n_chunks < 1 || st.exact_first < 0) {
+        LOG_ERR("usage: %s -m MODEL -f TEXT -c N_CTX --chunks N --kcode CODER[,CODER...] [--exact-first N]\n", argv[0]);
         return 1;
     }
     common_init();
     llama_backend_init();
 
-    ksim_state st;
     ksim_coder exact;
     st.coder = &exact;
     params.cb_eval           = ksim_eval_cb;
@@ -342,6 +358,7 @@ int main(int argc, char ** argv) {
                 batch.logits[i]    = i0 + i >= first;
             }
             st.calibrate = i0 == 0;
+            st.pos0      = i0;
             if (llama_decode(ctx, batch) != 0 || !st.ok) {
                 LOG_ERR("decode failed in chunk %d at token %d with K coder %s\n", chunk, i0, c.name.c_str());
                 return false;
