@@ -7,9 +7,9 @@
 // Two kernels, each with a scalar reference (params->use_ref) that the SIMD path is held to
 // (cpp/tests/test-kvc-ops.cpp):
 //  - decode (one query token per stream): a work item is (stream, KV head, key range); the
-//    query heads of the KV head are done together: a packed kvc K row is scored in integers
-//    against each query rounded to q8_0, any other K row and every V row is converted to F32
-//    once for all the heads; the keys of all sources are split over the threads, each range
+//    query heads of the KV head are done together: a packed kvc K row is unpacked once and
+//    scored in integers against each query rounded to q8_0, any other K row and every V row
+//    is converted to F32 once for all the heads; the keys of all sources are split over the threads, each range
 //    written as a partial (running maximum, sum, unnormalized output) and the ranges
 //    combined in order;
 //  - prompt (several query tokens): a work item is (stream, KV head, block of query tokens);
