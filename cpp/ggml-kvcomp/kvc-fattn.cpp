@@ -9,9 +9,9 @@
 //  - decode (one query token per stream): a work item is (stream, KV head, key range); the
 //    query heads of the KV head are done together: a packed kvc K row is unpacked once and
 //    scored in integers against each query rounded to q8_0, any other K row and every V row
-//    is converted to F32 once for all the heads; the keys of all sources are split over the threads, each range
-//    written as a partial (running maximum, sum, unnormalized output) and the ranges
-//    combined in order;
+//    is converted to F32 once for all the heads; the keys of all sources are split over the
+//    threads, each range written as a partial (running maximum, sum, unnormalized output)
+//    and the ranges combined in order;
 //  - prompt (several query tokens): a work item is (stream, KV head, block of query tokens);
 //    its rows (tokens x query heads, at most 64) meet 64-key tiles dequantized to F32 and
 //    multiplied as upstream's tiled F16 kernel does, so a kvc cache costs about what F16 does.
