@@ -35,10 +35,6 @@ static inline __m256i kvc_dot_i8_groups_abs(__m256i ax, __m256i x, __m256i y) {
 #endif
 }
 
-static inline __m256i kvc_dot_i8_groups(__m256i x, __m256i y) {
-    return kvc_dot_i8_groups_abs(_mm256_sign_epi8(x, x), x, y);
-}
-
 static inline __m256 kvc_sub_scales(float d0, float d1, float dy) {
     return _mm256_set_m128(_mm_set1_ps(d1 * dy), _mm_set1_ps(d0 * dy));
 }

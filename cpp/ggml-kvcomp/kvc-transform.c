@@ -29,8 +29,11 @@ static inline const float * kvc_t_levels(int b) {
     return kvc_lm_levels + ((1 << b) - 2);
 }
 
-// Whether the pairs of a d-channel row name every channel exactly once.
+// Whether d is a head size a plan holds and its pairs name every channel exactly once.
 static bool kvc_t_pairs_valid(const int16_t (*pair)[2], int32_t d) {
+    if (d < 2 || d > KVC_T_MAX_D || d % 2 != 0) {
+        return false;
+    }
     uint8_t seen[KVC_T_MAX_D] = { 0 };
     for (int32_t p = 0; p < d / 2; ++p) {
         for (int i = 0; i < 2; ++i) {
@@ -46,8 +49,7 @@ static bool kvc_t_pairs_valid(const int16_t (*pair)[2], int32_t d) {
 
 bool kvc_t_plan_fit(kvc_t_plan * plan, const kvc_t_stats * stats, enum kvc_t_basis basis, int32_t row_bits) {
     const int32_t d = stats->d;
-    if (d < 2 || d > KVC_T_MAX_D || d % 2 != 0 || row_bits < 8 || row_bits > 8 + KVC_T_MAX_BITS * d ||
-        !kvc_t_pairs_valid(stats->pair, d)) {
+    if (!kvc_t_pairs_valid(stats->pair, d) || row_bits < 8 || row_bits > 8 + KVC_T_MAX_BITS * d) {
         return false;
     }
     for (int32_t p = 0; p < d / 2; ++p) {
@@ -123,7 +125,7 @@ bool kvc_t_plan_fit(kvc_t_plan * plan, const kvc_t_stats * stats, enum kvc_t_bas
 
 bool kvc_t_plan_valid(const kvc_t_plan * plan) {
     const int32_t d = plan->d;
-    if (d < 2 || d > KVC_T_MAX_D || d % 2 != 0 || !kvc_t_pairs_valid(plan->pair, d)) {
+    if (!kvc_t_pairs_valid(plan->pair, d)) {
         return false;
     }
     int32_t sum = 8;

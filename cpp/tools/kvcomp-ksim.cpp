@@ -229,7 +229,8 @@ bool ksim_eval_cb(ggml_tensor * t, bool ask, void * user_data) {
                 ((const int32_t *) t->op_params)[1], (long long) t->ne[0]);
         st.ok = false;
         return false;
-    }    if (ask) {
+    }
+    if (ask) {
         // before K's RoPE runs: its input was computed for an earlier request
         if (is_k && is_rope && c.kind == KSIM_PRE_PAIRS) {
             st.ok = st.ok && code_rows(st, il, t->src[0], neox);
