@@ -177,26 +177,11 @@ def rope_turn(err: np.ndarray, kpre: np.ndarray, kpost: np.ndarray, pairs: np.nd
     return out
 
 
-def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.ndarray, qe: np.ndarray, calib: int,
-              bpe: float, space: str, reference: bool = False) -> tuple[float, float]:
-    """(kvc4's query-weighted error over the coder's, and the same for K's plain error) on
-    the K rows after `calib`; qc: the queries of the calibration rows, qe: later queries.
-    space: "post" codes K after RoPE with its eigenbasis; "post-pairs" after RoPE in its own
-    channels, uncentered, with the statistics of the two channels of a RoPE pair pooled (RoPE
-    keeps a pair's energy, so they do not depend on the position); "pre" codes K before RoPE
-    with its eigenbasis, "pre-pairs" with a 2x2 basis per RoPE pair (errors are turned by each
-    key's RoPE before the queries meet them). reference: the pair spaces are coded by the C
-    reference (kvct_round_trip) instead of the numpy coder."""
-    d = kpost.shape[1]
-    k = kpre if space.startswith("pre") else kpost
-    kc = k[:calib]
-    c = np.zeros(d) if space == "post-pairs" else kc.mean(0)
-    cov = np.cov((kc - c).T, bias=True) if space != "post-pairs" else (kc.T @ kc) / len(kc)
-    cq = qc.T @ qc / len(qc)
-    if space.startswith("post"):
-        weight_m = cq
-    else:
-        weight_m = pre_rope_weight(kpre[:calib], kpost[:calib], cq, pairs)
+def numpy_round_trip(ke: np.ndarray, c: np.ndarray, cov: np.ndarray, weight_m: np.ndarray, pairs: np.ndarray,
+                     space: str, bpe: float) -> np.ndarray:
+    """The numpy coder: the rows ke coded with a basis, bits and per-row scale fitted to the
+    calibration's mean c, covariance and query weights (see code_head for the spaces)."""
+    d = ke.shape[1]
     if space == "post-pairs":
         pooled = np.zeros(d)
         wpool = np.zeros(d)
@@ -218,16 +203,41 @@ def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.nda
     weight = np.einsum("id,de,ie->i", tb, weight_m, tb)
     bits = allocate(var * weight, round(bpe * d) - SCALE_BITS)
 
-    ke = k[calib:]
     y = (ke - c) @ tb.T / np.sqrt(var)
     # one scale per row, coded on a 1/8-octave grid like the kvc steps
     rms_row = np.sqrt((y[:, bits > 0] ** 2).mean(1)) if (bits > 0).any() else np.ones(len(y))
     s = 2.0 ** (np.round(8 * np.log2(np.maximum(rms_row, 1e-30))) / 8)
     yq = np.stack([quantize(y[:, i] / s, int(bits[i])) for i in range(d)], 1) * s[:, None]
-    if reference:
-        err = ke - kvct_round_trip(ke, kc, weight_m if space == "pre-pairs" else cq, pairs, space, round(bpe * d))
+    out: np.ndarray = (yq * np.sqrt(var)) @ tb + c
+    return out
+
+
+def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.ndarray, qe: np.ndarray, calib: int,
+              bpe: float, space: str, reference: bool = False) -> tuple[float, float]:
+    """(kvc4's query-weighted error over the coder's, and the same for K's plain error) on
+    the K rows after `calib`; qc: the queries of the calibration rows, qe: later queries.
+    space: "post" codes K after RoPE with its eigenbasis; "post-pairs" after RoPE in its own
+    channels, uncentered, with the statistics of the two channels of a RoPE pair pooled (RoPE
+    keeps a pair's energy, so they do not depend on the position); "pre" codes K before RoPE
+    with its eigenbasis, "pre-pairs" with a 2x2 basis per RoPE pair (errors are turned by each
+    key's RoPE before the queries meet them). reference: the pair spaces are coded by the C
+    reference (kvct_round_trip) instead of the numpy coder."""
+    d = kpost.shape[1]
+    k = kpre if space.startswith("pre") else kpost
+    kc = k[:calib]
+    c = np.zeros(d) if space == "post-pairs" else kc.mean(0)
+    cov = np.cov((kc - c).T, bias=True) if space != "post-pairs" else (kc.T @ kc) / len(kc)
+    cq = qc.T @ qc / len(qc)
+    if space.startswith("post"):
+        weight_m = cq
     else:
-        err = ke - ((yq * np.sqrt(var)) @ tb + c)
+        weight_m = pre_rope_weight(kpre[:calib], kpost[:calib], cq, pairs)
+    ke = k[calib:]
+    if reference:
+        rec = kvct_round_trip(ke, kc, weight_m, pairs, space, round(bpe * d))
+    else:
+        rec = numpy_round_trip(ke, c, cov, weight_m, pairs, space, bpe)
+    err = ke - rec
     if space.startswith("pre"):
         err = rope_turn(err, kpre[calib:], kpost[calib:], pairs)
     h = hadamard(d)
