@@ -90,6 +90,13 @@ void * ggml_kvc_cpu_get_proc_address(const char * name) {
         void (*fn)(const ggml_fp16_t *, float *, int64_t);
         void * p;
     } fp16 = { ggml_cpu_fp16_to_fp32 };
+    union {
+        ggml_custom_op_t fn;
+        void * p;
+    } offset_rows = { ggml_kvc_cpu_offset_rows };
+    if (strcmp(name, "ggml_kvc_cpu_offset_rows") == 0) {
+        return offset_rows.p;
+    }
     if (strcmp(name, "ggml_kvc_cpu_get_from_float") == 0) {
         return get.p;
     }

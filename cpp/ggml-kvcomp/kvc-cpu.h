@@ -59,12 +59,22 @@ GGML_BACKEND_API bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_para
 GGML_BACKEND_API bool ggml_kvc_cpu_set_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 GGML_BACKEND_API int  ggml_kvc_cpu_n_tasks(const struct ggml_tensor * node, int n_threads, int n_tasks);
 
+// The tracker's K rows of a ubatch that makes no offset, on a host cache, as one
+// GGML_OP_CUSTOM node (kvc-offset-rows.c; a ggml_custom_op_t), bit for bit the graph form:
+// src: cur [ne0, n_tok] F32; c [ne0, 1, planes], each plane's offset row in the store; w
+// [1, n + 1, planes], the plane's weights (1 on its c row: c is fixed; none: c is 0 and
+// written so); idx [n_tok] I64, the store row each token's row goes to; the store; the
+// sampled rows of cur and their rows in the tap (copied first). dst = clamp(leaky_relu(cur,
+// 1), +-65504) - c of each row's plane, and the store rows take the clamped rows. Reached by
+// name, "ggml_kvc_cpu_offset_rows".
+GGML_BACKEND_API void ggml_kvc_cpu_offset_rows(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
 // The CPU backend's quantizer of a type (ggml_get_type_traits_cpu's from_float: SIMD where
 // the build has it, the same bytes as from_float_ref), for code that reaches the backend
 // through the registry: ggml_backend_reg_get_proc_address(cpu, "ggml_kvc_cpu_get_from_float").
 typedef ggml_from_float_t (*ggml_kvc_cpu_get_from_float_t)(enum ggml_type type);
 GGML_BACKEND_API ggml_from_float_t ggml_kvc_cpu_get_from_float(enum ggml_type type);
-// ggml-cpu's get_proc_address asks here first: the entry above and ggml_cpu_fp16_to_fp32
+// ggml-cpu's get_proc_address asks here first: the entries above and ggml_cpu_fp16_to_fp32
 // (SIMD, where ggml-base's ggml_fp16_to_fp32_row is scalar) by name, else NULL.
 GGML_BACKEND_API void * ggml_kvc_cpu_get_proc_address(const char * name);
 

@@ -112,6 +112,11 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         throw std::runtime_error("kvcomp: failed to allocate the tracker");
     }
     ggml_backend_buffer_clear(buf, 0);
+    // a decode step pays a barrier of every thread per node: on a host cache, a graph that
+    // makes no offset takes its K rows in one CPU node; a device cache keeps the graph form
+    if (ggml_backend_buffer_is_host(buf)) {
+        offset_rows = (ggml_custom_op_t) llama_kvcomp_cpu_proc("ggml_kvc_cpu_offset_rows");
+    }
     streams.resize(n_stream);
     reenc.assign(n, nullptr);
 
@@ -169,6 +174,17 @@ ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor *
     const size_t   nb1 = st->nb[1];
 
     ggml_tensor * sampled = ggml_view_2d(ctx0, cur, ne0, n_sample, cur->nb[1] * stride, 0);
+    // each plane's c in the row after its block
+    const auto c_view = [&](ggml_tensor * src) {
+        return ggml_view_3d(ctx0, src, ne0, 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1), row_c(plane_strm0) * nb1);
+    };
+    ggml_tensor * w = ggml_view_3d(ctx0, weights, 1, KVCOMP_CALIB_N + 1, np, weights->nb[1], weights->nb[2], 0);
+    ggml_tensor * idx = ggml_view_1d(ctx0, copy_idx, n_tok, 0);
+    if (one_node() && np == (int64_t) n_planes) {
+        // what the nodes below do, in one
+        ggml_tensor * args[] = { cur, c_view(st), w, idx, st, sampled, ggml_view_2d(ctx0, st, ne0, n_sample, nb1, 0) };
+        return ggml_custom_4d(ctx0, GGML_TYPE_F32, ne0, n_tok, 1, 1, args, 7, offset_rows, 1, nullptr);
+    }
     ggml_tensor * tapped  = ggml_cpy(ctx0, sampled, ggml_view_2d(ctx0, st, ne0, n_sample, nb1, 0));
 
     // The graph's node budget is upstream's: few nodes, one shape for every ubatch. The views
@@ -183,10 +199,6 @@ ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor *
     // One NaN would otherwise make c, and so every later key of the stream, NaN (stored as
     // zeros), and a NaN row would be stored as k = c instead of k = 0.
     ggml_tensor * finite = ggml_clamp(ctx0, ggml_leaky_relu(ctx0, cur, 1.0f, false), -65504.0f, 65504.0f);
-    // each plane's c in the row after its block
-    const auto c_view = [&](ggml_tensor * src) {
-        return ggml_view_3d(ctx0, src, ne0, 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1), row_c(plane_strm0) * nb1);
-    };
     ggml_tensor * c_rows = nullptr;
     if (steady && np == (int64_t) n_planes) {
         // every plane's c is fixed (set, or 0) and its row of the store holds it: read there,
@@ -194,10 +206,9 @@ ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor *
         c_rows = c_view(tapped);
     } else {
         ggml_tensor * all = ggml_view_2d(ctx0, tapped, ne0, n_store_rows(), nb1, 0);
-        all = ggml_set_rows(ctx0, all, finite, ggml_view_1d(ctx0, copy_idx, n_tok, 0));
+        all = ggml_set_rows(ctx0, all, finite, idx);
         ggml_tensor * blocks = ggml_view_3d(ctx0, all, ne0, KVCOMP_CALIB_N + 1, np, nb1, nb1 * (KVCOMP_CALIB_N + 1),
                 row_raw(plane_strm0, 0) * nb1);
-        ggml_tensor * w = ggml_view_3d(ctx0, weights, 1, KVCOMP_CALIB_N + 1, np, weights->nb[1], weights->nb[2], 0);
         ggml_tensor * c = ggml_out_prod(ctx0, blocks, w); // [ne0, 1, np]
         c_rows = ggml_cpy(ctx0, c, c_view(all));
 
@@ -572,6 +583,7 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
     std::vector<float>   w((size_t) (KVCOMP_CALIB_N + 1) * n_stream, 0.0f);
     std::vector<int64_t> idx(ubatch.n_tokens, row_trash());
     steady = true;
+    quiet  = true;
     old_rows.clear();
     old_raw_h.clear();
     old_plane_h.clear();
@@ -629,6 +641,7 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
                 }
                 ss.status = CALIB_STATUS_SET;
                 pending_read.push_back(strm);
+                quiet = false;
             } else if (!all_first) {
                 // rows the stream keeps no copy of are stored as they came: c stays 0
                 fix_zero(strm);

@@ -62,7 +62,10 @@ struct llama_kvcomp_tracker {
     // 0 for the graphs of one shape that make some stream's c, 3 for those whose every c is
     // fixed (a decode step once the first rows are in); a graph that stores rows again is 1
     // or 2, never the same as the graph before it
-    uint32_t graph_variant() const { return old_rows.empty() ? (steady ? 3 : 0) : 1 + (uint32_t) (n_setups % 2); }
+    // (on a host cache, every graph that makes no c is one node per layer: 3 too)
+    uint32_t graph_variant() const {
+        return old_rows.empty() ? (steady || one_node() ? 3 : 0) : 1 + (uint32_t) (n_setups % 2);
+    }
 
     // Host side, before each ubatch's graph (after upstream placed it: sinfo, and the cells of
     // every stream): folds the last ubatch's rows into the statistics and sets up what this
@@ -195,6 +198,8 @@ private:
     std::vector<uint64_t> old_rows;
     // no plane of this ubatch makes its c (none collects its first rows, none stores rows again)
     bool steady = false;
+    // no plane of this ubatch sets its c from its first rows (it may collect them, with c 0)
+    bool quiet = false;
     std::vector<int32_t>  old_raw_h, old_plane_h;
     // host copies of the inputs last written (most ubatches write the same ones)
     std::vector<float>   w_host;
@@ -210,4 +215,8 @@ private:
 
     ggml_context *        ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
+    // the CPU's one-node form of the K rows of a graph that makes no c (host caches only),
+    // or nullptr
+    ggml_custom_op_t offset_rows = nullptr;
+    bool one_node() const { return quiet && old_rows.empty() && offset_rows; }
 };

@@ -1,7 +1,8 @@
 // Backend-ops style tests of the kvc types on the CPU backend: SET_ROWS, GET_ROWS, CPY,
 // MUL_MAT (K with flash attention off) and FLASH_ATTN_EXT with kvc K and V, head sizes
 // 64/128/256, for prompt-like batches and for single-token decode (split over cell ranges),
-// and two-source attention (kvc main cells + exact F16 rows, ggml_flash_attn_ext_add_exact).
+// two-source attention (kvc main cells + exact F16 rows, ggml_flash_attn_ext_add_exact), and
+// the tracker's one-node K rows.
 // Each op is compared with
 //  - the reference kernels (quantize_row_*_ref / dequantize_row_*): bit-exact bytes for
 //    writes, float-exact values for reads, NMSE <= 1e-8 for attention on dequantized K/V
@@ -533,6 +534,72 @@ void test_mul_mat(report & rep, ggml_type type, int d) {
 
 } // namespace
 
+// The tracker's one-node K rows (ggml_kvc_cpu_offset_rows) against the graph form they
+// replace on a host cache (kvcomp-tracker.cpp's transform: the tap's cpy, leaky_relu(x, 1),
+// clamp to F16's range, set_rows of the first rows into their block, out_prod of the block
+// with the plane's weights for c, its cpy to the c row, and sub): the same bits in the rows
+// and in the store (but its trash row, which takes rows in any order), with NaN, infinities, signed zeros and values past F16's range in
+// the rows, planes whose c is fixed and planes still collecting (c 0), every row tapped and
+// every other one.
+void test_offset_rows(report & rep, int n_planes, bool first_collects, int stride) {
+    const int ne0   = 192;
+    const int n_blk = 5; // a plane's first rows and its c row (the tracker has 33)
+    const int ntp   = 4;
+    const int n_tok = ntp * n_planes;
+    const int n_smp = (n_tok + stride - 1) / stride;
+    const int row0  = n_tok;                      // the tap, then the blocks, then the trash row
+    const int trash = row0 + n_planes * n_blk;
+    graph_ctx g(32 * 1024 * 1024);
+    ggml_tensor * cur = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, ne0, n_tok);
+    ggml_tensor * w   = ggml_new_tensor_3d(g.ctx, GGML_TYPE_F32, 1, n_blk, n_planes);
+    ggml_tensor * idx = ggml_new_tensor_1d(g.ctx, GGML_TYPE_I64, n_tok);
+    ggml_tensor * st[2];
+    const auto init = make_rows(dist::gaussian, trash + 1, ne0, 6);
+    for (auto & t : st) {
+        t = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, ne0, trash + 1);
+        fill(t, init);
+    }
+    auto x = make_rows(dist::gaussian, n_tok, ne0, 5);
+    const float special[] = { NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1e6f, -1e6f, 65504.0f, -65505.0f };
+    for (size_t i = 0; i < x.size(); i += 7) {
+        x[i] = special[(i / 7) % (sizeof(special) / sizeof(special[0]))];
+    }
+    fill(cur, x);
+    std::vector<float> wv((size_t) n_blk * n_planes, 0.0f);
+    for (int p = 0; p < n_planes; ++p) {
+        const bool collects = (p == 0) == first_collects;
+        wv[(size_t) p * n_blk + n_blk - 1] = collects ? 0.0f : 1.0f;
+        for (int j = 0; j < ntp; ++j) {
+            // a collecting plane's rows go to its block (the last one past it, to the trash)
+            ((int64_t *) idx->data)[p * ntp + j] = collects && j < n_blk - 1 ? row0 + p * n_blk + j : trash;
+        }
+    }
+    fill(w, wv);
+
+    const auto sampled = [&]() { return ggml_view_2d(g.ctx, cur, ne0, n_smp, cur->nb[1] * stride, 0); };
+    const auto c_view  = [&](ggml_tensor * t) {
+        return ggml_view_3d(g.ctx, t, ne0, 1, n_planes, t->nb[1], t->nb[1] * n_blk, (row0 + n_blk - 1) * t->nb[1]);
+    };
+    const auto tap = [&](ggml_tensor * t) { return ggml_view_2d(g.ctx, t, ne0, n_smp, t->nb[1], 0); };
+    ggml_tensor * args[] = { cur, c_view(st[0]), w, idx, st[0], sampled(), tap(st[0]) };
+    ggml_tensor * fused = ggml_custom_4d(g.ctx, GGML_TYPE_F32, ne0, n_tok, 1, 1, args, 7, ggml_kvc_cpu_offset_rows, 1, nullptr);
+    g.compute(fused, 3);
+
+    ggml_tensor * tapped = ggml_cpy(g.ctx, sampled(), tap(st[1]));
+    ggml_tensor * finite = ggml_clamp(g.ctx, ggml_leaky_relu(g.ctx, cur, 1.0f, false), -65504.0f, 65504.0f);
+    ggml_tensor * all    = ggml_set_rows(g.ctx, ggml_view_2d(g.ctx, tapped, ne0, trash + 1, st[1]->nb[1], 0), finite, idx);
+    ggml_tensor * blocks = ggml_view_3d(g.ctx, all, ne0, n_blk, n_planes, all->nb[1], all->nb[1] * n_blk, row0 * all->nb[1]);
+    ggml_tensor * c_rows = ggml_cpy(g.ctx, ggml_out_prod(g.ctx, blocks, w), c_view(all));
+    ggml_tensor * x3     = ggml_view_3d(g.ctx, finite, ne0, ntp, n_planes, finite->nb[1], finite->nb[1] * ntp, 0);
+    ggml_tensor * graph  = ggml_sub(g.ctx, x3, c_rows);
+    g.compute(graph, 3);
+
+    rep.check(memcmp(fused->data, graph->data, ggml_nbytes(fused)) == 0 &&
+              memcmp(st[0]->data, st[1]->data, st[0]->nb[1] * trash) == 0,
+              "offset rows: %d plane(s), %s, tap stride %d: rows and store bit for bit the graph form's", n_planes,
+              first_collects ? "the first collecting its rows" : "every c fixed", stride);
+}
+
 int main() {
     ggml_cpu_init();
     report rep;
@@ -572,6 +639,13 @@ int main() {
         test_flash_attn_exact(rep, GGML_TYPE_KVC4, GGML_TYPE_F16, d, FA_EXACT[3]);
     }
     test_exact_support(rep);
+    for (int n_planes : { 1, 2 }) {
+        for (bool first_collects : { false, true }) {
+            for (int stride : { 1, 2 }) {
+                test_offset_rows(rep, n_planes, first_collects, stride);
+            }
+        }
+    }
 
     return rep.finish("test-kvc-ops");
 }
