@@ -107,7 +107,7 @@ def _run_kld_all(args: argparse.Namespace, argv: Sequence[str], ppl_only: bool) 
     for ctx in contexts:
         settings = perplexity.RunSettings(
             model=models.fetch_model(args.model), corpus=corpus.corpus_file(),
-            ctx=ctx, chunks=args.chunks, threads=args.threads, n_gpu_layers=args.ngl,
+            ctx=ctx, chunks=args.chunks, threads=args.threads, n_gpu_layers=args.ngl, ctx_full=model.ctx_train,
         )
         results = []
         for cfg in configs:
@@ -123,6 +123,9 @@ def _run_kld_all(args: argparse.Namespace, argv: Sequence[str], ppl_only: bool) 
         _write_section(args, argv, table, section, heading, f"corpus `{settings.corpus.name}`, ")
         tables.append(f"### {heading}\n\n{table}")
     print("\n\n".join(tables))
+    if not ppl_only and args.frontier and rows:
+        last = [r for r in rows if r["ctx"] == contexts[-1]]
+        plots.frontier(last, Path(args.frontier), f"{args.model}, ctx {contexts[-1]}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
@@ -293,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="context sizes: short (512), medium (2048), long (8192) or numbers, comma-separated; "
                              "sizes beyond the model's training context are skipped")
         sp.add_argument("--chunks", type=_positive, default=16)
+        if name == "kld":
+            sp.add_argument("--frontier", metavar="PNG",
+                            help="also plot KLD against bpe (the last context) to this file")
         sp.set_defaults(func=func)
 
     bn = sub.add_parser("bench", help="llama-bench decode speed at several depths; --parallel: N sequences together")

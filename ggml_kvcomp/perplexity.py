@@ -25,6 +25,7 @@ class RunSettings:
     batch: int = 512
     flash_attn: bool = True  # the base run always uses it; off measures the MUL_MAT path of K
     n_gpu_layers: int = 0  # layers offloaded to a GPU (-ngl), 0 for a CPU-only run
+    ctx_full: int = 0  # the model's full context, for KV memory there (0: the run's ctx)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class KldResult:
     k_rmse: float = 0.0
     k_rmse_offset: float = 0.0
     k_rmse_plain: float = 0.0
+    # the KV cache's memory at the model's full context: main caches scaled to it, the
+    # residual buffer as it is (its slots do not grow with the context)
+    kv_mib_full: float = 0.0
 
     @property
     def bpe(self) -> float:
@@ -124,6 +128,33 @@ def parse_buffer_bpe(log: str, main_bpe: float) -> float:
     return buf / main * main_bpe if main > 0 else 0.0
 
 
+def _pad(n: int, to: int = 256) -> int:
+    return (n + to - 1) // to * to
+
+
+def parse_kv_mib_full(log: str, ctx_full: int) -> float:
+    """KV MiB at a context of ctx_full tokens, from one run's log: each cache's MiB per cell
+    times its cells there (a sliding-window cache holds min(ctx, n_swa + n_ubatch) cells, as
+    llama_kv_cache_iswa sizes it, both padded to 256), plus the residual buffer's MiB."""
+    n_swa = int(_number(r"n_swa\s*=\s*(\d+)", log)) if re.search(r"n_swa\s*=", log) else 0
+    n_ubatch = int(_number(r"n_ubatch\s*=\s*(\d+)", log)) if re.search(r"n_ubatch\s*=", log) else 512
+    total, swa = 0.0, False
+    found = False
+    for line in log.splitlines():
+        if "creating non-SWA KV cache" in line or "creating     SWA KV cache" in line:
+            swa = "non-SWA" not in line
+        m = re.search(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells", line)
+        if m:
+            found = True
+            cells = _pad(min(ctx_full, n_swa + n_ubatch)) if swa else _pad(ctx_full)
+            total += float(m.group(1)) / int(m.group(2)) * cells
+            swa = False
+    if not found:
+        raise ValueError("llama-perplexity output lacks the llama_kv_cache size line")
+    buf = re.findall(r"kvcomp: KV memory: main cache [\d.]+ MiB .*?residual buffer ([\d.]+) MiB", log)
+    return total + sum(float(b) for b in buf)
+
+
 def parse_tracker_rmse(log: str) -> tuple[float, float, float]:
     """(as stored, offset only, plain) K RMSE over every 'kvcomp: tracker:' line (one per
     cache), weighted by the rows each measured; zeros without a tracker."""
@@ -140,7 +171,7 @@ def parse_tracker_rmse(log: str) -> tuple[float, float, float]:
     return pooled(1), pooled(2), pooled(3)
 
 
-def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
+def parse_kld(label: str, cfg: KvConfig, log: str, ctx_full: int) -> KldResult:
     kld = re.search(r"^Mean\s+KLD:\s*([\d.eE+-]+)\s*±\s*([\d.eE+-]+)", log, re.MULTILINE)
     if not kld:
         raise ValueError("llama-perplexity output lacks 'Mean KLD'")
@@ -162,6 +193,7 @@ def parse_kld(label: str, cfg: KvConfig, log: str) -> KldResult:
         k_rmse=rmse[0],
         k_rmse_offset=rmse[1],
         k_rmse_plain=rmse[2],
+        kv_mib_full=parse_kv_mib_full(log, ctx_full),
     )
 
 
@@ -170,7 +202,7 @@ def run_kld(cfg: KvConfig, s: RunSettings) -> KldResult:
     fa = "on" if s.flash_attn else "off"
     log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", fa, *cfg.tool_args(),
                 "--kl-divergence-base", str(base), "--kl-divergence"])
-    return parse_kld(cfg.label, cfg, log)
+    return parse_kld(cfg.label, cfg, log, s.ctx_full or s.ctx)
 
 
 def run_profile(s: RunSettings) -> dict[str, object]:

@@ -20,7 +20,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def frontier(rows: Sequence[dict[str, Any]], out: Path) -> None:
+def frontier(rows: Sequence[dict[str, Any]], out: Path, what: str = "") -> None:
     """Mean KLD against bits per element; upstream types are the reference points."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -32,7 +32,7 @@ def frontier(rows: Sequence[dict[str, Any]], out: Path) -> None:
     ax.set_xlabel("bits per KV element (main cache + residual buffer)")
     ax.set_ylabel("mean KLD vs f16 KV")
     ax.set_yscale("log")
-    ax.set_title("Quality vs memory (squares: upstream types)")
+    ax.set_title("Quality vs memory (squares: upstream types)" + (f", {what}" if what else ""))
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=100)

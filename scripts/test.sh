@@ -6,14 +6,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-venv=${KVCOMP_VENV:-$root/.venv}
-if [ ! -x "$venv/bin/pytest" ] || [ pyproject.toml -nt "$venv/bin/pytest" ]; then
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install --quiet --upgrade pip
-    # llama-cpp-python without its own native build: it loads ours (python/README.md)
-    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$venv/bin/pip" install --quiet -e '.[test]'
-    touch "$venv/bin/pytest"
-fi
+venv=$(scripts/venv.sh)
 
 log=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}/build.log
 mkdir -p "$(dirname "$log")"

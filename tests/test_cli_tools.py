@@ -78,9 +78,15 @@ def test_export_from_a_server(bins: Path, model: Path, tmp_path: Path) -> None:
 
 def test_kld_command_numbers_are_ordered(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "kld.json"
-    assert cli.main(["kld", "--ctx", "short", "--chunks", "2", "--configs", "f16,kvc8,kvc4", "--json", str(out)]) == 0
+    png = tmp_path / "frontier.png"
+    assert cli.main(["kld", "--ctx", "short", "--chunks", "2", "--configs", "f16,kvc8,kvc4", "--json", str(out),
+                     "--frontier", str(png)]) == 0
     rows = {r["label"]: r for r in json.loads(out.read_text())}
     assert all(r["ctx"] == 512 for r in rows.values())
+    assert png.read_bytes().startswith(b"\x89PNG")
+    # KV memory at SmolLM2's 8192 positions: 30 layers x 192 K and 192 V values per position
+    assert rows["f16"]["kv_mib_full"] == pytest.approx(30 * 8192 * 384 * 2 / 2**20, abs=0.2)
+    assert rows["kvc4"]["kv_mib_full"] / rows["f16"]["kv_mib_full"] == pytest.approx(4.5 / 16, rel=0.01)
     assert abs(rows["f16"]["kld_mean"]) < 1e-4 < rows["kvc8"]["kld_mean"] < rows["kvc4"]["kld_mean"]
     assert rows["f16"]["ppl_ratio"] == pytest.approx(1.0, abs=1e-3)
     assert rows["f16"]["ppl_ratio"] < rows["kvc4"]["ppl_ratio"]

@@ -70,6 +70,33 @@ def test_buffer_bpe_counts_every_cache(log: str, bpe: float) -> None:
     assert perplexity.parse_buffer_bpe(f"llama_context: ...\n{log}\n", 4.0) == pytest.approx(bpe)
 
 
+_KV_LINE = ("llama_kv_cache: size = {mib:7.2f} MiB ({cells:6d} cells,  30 layers,  1/1 seqs), "
+            "K (f16): 1.00 MiB, V (f16): 1.00 MiB")
+
+
+@pytest.mark.parametrize(("log", "ctx_full", "mib"), [
+    # one cache: 16 times the cells at 8192
+    (f"print_info: n_swa = 0\nllama_context: n_ubatch = 512\n{_KV_LINE.format(mib=11.25, cells=512)}", 8192, 180.0),
+    # the residual buffer does not grow with the context
+    (f"{_KV_LINE.format(mib=11.25, cells=512)}\nkvcomp: KV memory: main cache 11.25 MiB (16.00 bpe), residual "
+     "buffer 0.75 MiB (1.07 bpe, 1 streams of 99 slots), total 17.07 bpe", 8192, 180.75),
+    # a sliding-window model: the window's cache stays at n_swa + n_ubatch cells, padded to 256
+    ("print_info: n_swa            = 512\nllama_context: n_ubatch      = 512\n"
+     "llama_kv_cache_iswa: creating non-SWA KV cache, size = 512 cells\n" + _KV_LINE.format(mib=3.0, cells=512)
+     + "\nllama_kv_cache_iswa: creating     SWA KV cache, size = 1024 cells\n" + _KV_LINE.format(mib=15.0, cells=1024),
+     32768, 192.0 + 15.0),
+    # a context past the model's (the run's own): unchanged
+    (_KV_LINE.format(mib=11.25, cells=512), 512, 11.25),
+])
+def test_kv_mib_at_full_context(log: str, ctx_full: int, mib: float) -> None:
+    assert perplexity.parse_kv_mib_full(log, ctx_full) == pytest.approx(mib, rel=1e-6)
+
+
+def test_kv_mib_needs_the_size_line() -> None:
+    with pytest.raises(ValueError, match="size line"):
+        perplexity.parse_kv_mib_full("no cache here", 8192)
+
+
 @pytest.mark.parametrize("mode", MODE_NAMES)
 def test_mode_spec_round_trip(mode: str) -> None:
     preset = mode_preset(mode)  # type: ignore[arg-type]
