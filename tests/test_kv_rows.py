@@ -161,19 +161,24 @@ def test_c_reference_codes_as_the_prototype(bins: Path, space: str) -> None:
     assert err_c > 0 and gain_c >= 0.95 * gain_np and gain_c <= 2.0 * gain_np
 
 
-def test_ksim_measures_k_coding(bins: Path, text: Path) -> None:
+def test_ksim_measures_k_and_v_coding(bins: Path, text: Path) -> None:
     # llama-kvcomp-ksim: the exact coder changes nothing (KLD 0 exactly: the harness adds no
     # noise of its own), and the transform coder at kvc4's 4.5 bpe has at most half of kvc4's
-    # KLD (docs/kv-rows.md measured a fifth at ctx 2048); a bad coder name is refused
+    # KLD on K (docs/kv-rows.md measured a fifth at ctx 2048); V coded by kvc4 costs KLD, and
+    # by kvc3 more; a bad coder name is refused, and so is the post-RoPE coder for V
     from ggml_kvcomp import models
 
     f32 = models.fetch_model("smollm2-135m-f32")
     args = [str(bins / "llama-kvcomp-ksim"), "-m", str(f32), "-f", str(text), "-c", "512", "--chunks", "1", "-t", "2"]
-    out = subprocess.run([*args, "--kcode", "f16,kvc4,pre-pairs:4.5"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([*args, "--kcode", "f16,kvc4,pre-pairs:4.5", "--vcode", "f16,kvc4,kvc3"],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [r.split("|") for r in out.stdout.splitlines() if r.startswith("| ") and "KLD" not in r]
-    kld = {r[1].strip(): float(r[3]) for r in rows}
-    assert kld["f16"] == 0.0
-    assert 0.0 < kld["pre-pairs:4.5"] <= 0.5 * kld["kvc4"]
+    kld = {(r[1].strip(), r[2].strip()): float(r[4]) for r in rows}
+    assert kld["K", "f16"] == 0.0 and kld["V", "f16"] == 0.0
+    assert 0.0 < kld["K", "pre-pairs:4.5"] <= 0.5 * kld["K", "kvc4"]
+    assert 0.0 < kld["V", "kvc4"] < kld["V", "kvc3"]
     bad = subprocess.run([*args, "--kcode", "kvc5"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown K coder 'kvc5'" in bad.stderr
+    bad = subprocess.run([*args, "--vcode", "post-pairs:4.5"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown V coder 'post-pairs:4.5'" in bad.stderr

@@ -13,13 +13,19 @@
 //    ubatch, pooled over the pair.
 // The graph's RoPE node of K (Kcur-<il>) is where this happens: before it runs for a pre-RoPE
 // coder (its input was computed for the callback's previous request), after it for the rest.
+// --vcode codes V instead (K exact), at the graph's last V node (the reshape named Vcur-<il>):
+// a type as for K (upstream turns a quantized V cache by the same Hadamard matrix), or
+// pre-pairs:BPE, the transform-coded row with a rotation per pair of channels (2i, 2i+1) and
+// every channel weighted alike (V has no RoPE; the output projection reads every channel), or
+// eig:BPE, the same coder on the row's coefficients in the head's eigenbasis (the mean and
+// covariance of the chunk's first ubatch; attention would undo it once per query).
 //
 // Usage: llama-kvcomp-ksim -m MODEL -f TEXT -c N_CTX --chunks N --kcode f16,kvc4,pre-pairs:4.5
-//        [--exact-first N]
-// Prints one table row per coder: bits per K value, mean KLD against the exact run and its
-// standard error, over the second half of every chunk. --exact-first N leaves the keys of
-// the first N positions exact, as the residual buffer's sinks keep them (and out of the
-// plans' statistics).
+//        [--vcode kvc4,pre-pairs:4.5] [--exact-first N]
+// Prints one table row per coder: the part it codes, bits per value, mean KLD against the
+// exact run and its standard error, over the second half of every chunk. --exact-first N
+// leaves the rows of the first N positions exact, as the residual buffer's sinks keep them
+// (and out of the plans' statistics).
 
 #include "arg.h"
 #include "common.h"
@@ -36,13 +42,14 @@
 
 namespace {
 
-enum ksim_kind { KSIM_EXACT, KSIM_TYPE, KSIM_PRE_PAIRS, KSIM_POST_PAIRS };
+enum ksim_kind { KSIM_EXACT, KSIM_TYPE, KSIM_PRE_PAIRS, KSIM_POST_PAIRS, KSIM_EIG };
 
 struct ksim_coder {
     std::string name;
     ksim_kind   kind = KSIM_EXACT;
     ggml_type   type = GGML_TYPE_F16;
     float       bpe  = 16.0f;
+    bool        v    = false; // codes V (K exact) instead of K
 };
 
 struct ksim_state {
@@ -53,6 +60,9 @@ struct ksim_state {
     bool ok = true;
     std::vector<std::vector<kvc_t_plan>> plans;  // [layer][KV head]
     std::vector<std::vector<float>>      qw;     // [layer]: per query head and channel, mean q^2 of this ubatch
+    // eig: per layer and KV head, the rows' mean and their covariance's eigenvectors (column
+    // j of a d x d row-major matrix, by falling eigenvalue)
+    std::vector<std::vector<std::vector<double>>> eig_mean, eig_vec;
     int64_t n_head = 0;
 };
 
@@ -66,7 +76,8 @@ bool parse_coder(const std::string & s, ksim_coder & c) {
         if (*end != '\0' || !(c.bpe >= 1.0f && c.bpe <= 8.5f)) {
             return false;
         }
-        c.kind = kind == "pre-pairs" ? KSIM_PRE_PAIRS : kind == "post-pairs" ? KSIM_POST_PAIRS : KSIM_EXACT;
+        c.kind = kind == "pre-pairs" ? KSIM_PRE_PAIRS : kind == "post-pairs" ? KSIM_POST_PAIRS :
+                 kind == "eig" ? KSIM_EIG : KSIM_EXACT;
         return c.kind != KSIM_EXACT;
     }
     if (s == "f16") {
@@ -107,16 +118,18 @@ void hadamard_rows(float * x, int64_t n, int64_t d) {
 
 // The plans of one layer from its K rows of this ubatch ([token][head][d]) and the queries'
 // energies: RoPE's pairs are (i, i + d/2), upstream's NEOX order, or (2i, 2i+1), by the model.
+// V (c.v): pairs (2i, 2i+1), every channel weighted alike.
 bool fit_layer(ksim_state & st, int il, const std::vector<float> & k, int64_t d, int64_t n_kv, int64_t n_tok, bool neox) {
     const ksim_coder & c = *st.coder;
-    if ((int) st.qw.size() <= il || st.qw[il].empty()) {
+    if (!c.v && ((int) st.qw.size() <= il || st.qw[il].empty())) {
         LOG_ERR("layer %d: K came before its queries; the plan has no query weights\n", il);
         return false;
     }
     st.plans.resize(il + 1);
     st.plans[il].resize(n_kv);
-    const std::vector<float> & qw = st.qw[il];
-    const int64_t g = st.n_head / n_kv;
+    static const std::vector<float> none;
+    const std::vector<float> & qw = c.v ? none : st.qw[il];
+    const int64_t g = c.v ? 1 : st.n_head / n_kv;
     for (int64_t h = 0; h < n_kv; ++h) {
         std::vector<int16_t> pair(d);
         std::vector<float>   mean(d, 0.0f), k2(3 * d / 2), w(3 * d / 2);
@@ -149,8 +162,8 @@ bool fit_layer(ksim_state & st, int il, const std::vector<float> & k, int64_t d,
             k2[3 * p + 0] = (float) (saa / n);
             k2[3 * p + 1] = (float) (sab / n);
             k2[3 * p + 2] = (float) (sbb / n);
-            double wq = 0.0;
-            for (int64_t q = h * g; q < (h + 1) * g; ++q) {
+            double wq = c.v ? 1.0 : 0.0;
+            for (int64_t q = h * g; q < (h + 1) * g && !c.v; ++q) {
                 wq += 0.5 * (qw[q * d + a] + qw[q * d + b]);
             }
             w[3 * p + 0] = w[3 * p + 2] = (float) (wq / g);
@@ -158,13 +171,121 @@ bool fit_layer(ksim_state & st, int il, const std::vector<float> & k, int64_t d,
         }
         const kvc_t_stats stats = { (int32_t) d, (const int16_t (*)[2]) pair.data(), mean.data(),
                                     (const float (*)[3]) k2.data(), (const float (*)[3]) w.data() };
-        const kvc_t_basis basis = c.kind == KSIM_PRE_PAIRS ? KVC_T_BASIS_PAIR_AXES : KVC_T_BASIS_POOLED;
+        const kvc_t_basis basis = c.kind == KSIM_POST_PAIRS ? KVC_T_BASIS_POOLED : KVC_T_BASIS_PAIR_AXES;
         if (!kvc_t_plan_fit(&st.plans[il][h], &stats, basis, (int32_t) lroundf(c.bpe * (float) d))) {
             LOG_ERR("layer %d head %lld: the plan's statistics were refused\n", il, (long long) h);
             return false;
         }
     }
     return true;
+}
+
+// The eigenvectors of a symmetric d x d matrix (row-major, destroyed), by falling eigenvalue,
+// as the columns of vec: cyclic Jacobi rotations until the off-diagonal part is negligible.
+void jacobi_eigen(std::vector<double> & a, int64_t d, std::vector<double> & vec) {
+    vec.assign(d * d, 0.0);
+    for (int64_t i = 0; i < d; ++i) {
+        vec[i * d + i] = 1.0;
+    }
+    for (int sweep = 0; sweep < 64; ++sweep) {
+        double off = 0.0, diag = 0.0;
+        for (int64_t i = 0; i < d; ++i) {
+            for (int64_t j = 0; j < d; ++j) {
+                (i == j ? diag : off) += a[i * d + j] * a[i * d + j];
+            }
+        }
+        if (off <= 1e-24 * diag) {
+            break;
+        }
+        for (int64_t p = 0; p < d; ++p) {
+            for (int64_t q = p + 1; q < d; ++q) {
+                const double apq = a[p * d + q];
+                if (std::fabs(apq) <= 1e-300) {
+                    continue;
+                }
+                const double theta = (a[q * d + q] - a[p * d + p]) / (2.0 * apq);
+                const double t = (theta >= 0.0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1.0));
+                const double c = 1.0 / std::sqrt(t * t + 1.0), s = t * c;
+                for (int64_t k = 0; k < d; ++k) {
+                    const double akp = a[k * d + p], akq = a[k * d + q];
+                    a[k * d + p] = c * akp - s * akq;
+                    a[k * d + q] = s * akp + c * akq;
+                }
+                for (int64_t k = 0; k < d; ++k) {
+                    const double apk = a[p * d + k], aqk = a[q * d + k];
+                    a[p * d + k] = c * apk - s * aqk;
+                    a[q * d + k] = s * apk + c * aqk;
+                }
+                for (int64_t k = 0; k < d; ++k) {
+                    const double vkp = vec[k * d + p], vkq = vec[k * d + q];
+                    vec[k * d + p] = c * vkp - s * vkq;
+                    vec[k * d + q] = s * vkp + c * vkq;
+                }
+            }
+        }
+    }
+    std::vector<int64_t> order(d);
+    for (int64_t i = 0; i < d; ++i) {
+        order[i] = i;
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return a[x * d + x] > a[y * d + y]; });
+    std::vector<double> sorted(d * d);
+    for (int64_t k = 0; k < d; ++k) {
+        for (int64_t j = 0; j < d; ++j) {
+            sorted[k * d + j] = vec[k * d + order[j]];
+        }
+    }
+    vec.swap(sorted);
+}
+
+// eig: rows ([token][head][d]) to their coefficients in the head's eigenbasis and back.
+void eig_rows(const ksim_state & st, int il, std::vector<float> & k, int64_t d, int64_t n_kv, int64_t n_tok, bool back) {
+    std::vector<double> x(d);
+    for (int64_t t = 0; t < n_tok; ++t) {
+        for (int64_t h = 0; h < n_kv; ++h) {
+            float * row = k.data() + (t * n_kv + h) * d;
+            const std::vector<double> & e = st.eig_vec[il][h];
+            const std::vector<double> & m = st.eig_mean[il][h];
+            for (int64_t j = 0; j < d; ++j) {
+                double acc = back ? m[j] : 0.0;
+                for (int64_t i = 0; i < d; ++i) {
+                    acc += back ? e[j * d + i] * row[i] : e[i * d + j] * (row[i] - m[i]);
+                }
+                x[j] = acc;
+            }
+            for (int64_t j = 0; j < d; ++j) {
+                row[j] = (float) x[j];
+            }
+        }
+    }
+}
+
+// eig: the mean and eigenbasis of each KV head from this ubatch's rows (those not kept exact).
+void fit_eig(ksim_state & st, int il, const std::vector<float> & k, int64_t d, int64_t n_kv, int64_t n_tok) {
+    st.eig_mean.resize(il + 1);
+    st.eig_vec.resize(il + 1);
+    st.eig_mean[il].assign(n_kv, std::vector<double>(d, 0.0));
+    st.eig_vec[il].resize(n_kv);
+    const int64_t t0 = std::min<int64_t>(n_tok - 1, std::max(0, st.exact_first - st.pos0));
+    const double  n  = (double) (n_tok - t0);
+    for (int64_t h = 0; h < n_kv; ++h) {
+        std::vector<double> & m = st.eig_mean[il][h];
+        for (int64_t t = t0; t < n_tok; ++t) {
+            for (int64_t i = 0; i < d; ++i) {
+                m[i] += k[(t * n_kv + h) * d + i] / n;
+            }
+        }
+        std::vector<double> cov(d * d, 0.0);
+        for (int64_t t = t0; t < n_tok; ++t) {
+            const float * r = k.data() + (t * n_kv + h) * d;
+            for (int64_t i = 0; i < d; ++i) {
+                for (int64_t j = 0; j < d; ++j) {
+                    cov[i * d + j] += (r[i] - m[i]) * (r[j] - m[j]) / n;
+                }
+            }
+        }
+        jacobi_eigen(cov, d, st.eig_vec[il][h]);
+    }
 }
 
 // Codes the K rows of one layer in place in `t` ([d, n_kv, n_tok], contiguous F32).
@@ -189,6 +310,16 @@ bool code_rows(ksim_state & st, int il, ggml_tensor * t, bool neox) {
         }
         hadamard_rows(k.data(), n_kv * n_tok, d);
     } else {
+        if (c.kind == KSIM_EIG) {
+            if (st.calibrate) {
+                fit_eig(st, il, k, d, n_kv, n_tok);
+            }
+            if ((int) st.eig_vec.size() <= il || st.eig_vec[il].empty()) {
+                LOG_ERR("layer %d: no basis (the first ubatch did not reach it)\n", il);
+                return false;
+            }
+            eig_rows(st, il, k, d, n_kv, n_tok, false);
+        }
         if (st.calibrate && !fit_layer(st, il, k, d, n_kv, n_tok, neox)) {
             return false;
         }
@@ -204,6 +335,9 @@ bool code_rows(ksim_state & st, int il, ggml_tensor * t, bool neox) {
                 dequantize_row_kvct(&st.plans[il][h], q.data(), row);
             }
         }
+        if (c.kind == KSIM_EIG) {
+            eig_rows(st, il, k, d, n_kv, n_tok, true);
+        }
     }
     std::copy(exact.begin(), exact.end(), k.begin());
     ggml_backend_tensor_set(t, k.data(), 0, ggml_nbytes(t));
@@ -212,11 +346,24 @@ bool code_rows(ksim_state & st, int il, ggml_tensor * t, bool neox) {
 
 bool ksim_eval_cb(ggml_tensor * t, bool ask, void * user_data) {
     ksim_state & st = *(ksim_state *) user_data;
+    const ksim_coder & c = *st.coder;
+    if (c.kind == KSIM_EXACT) {
+        return !ask;
+    }
+    if (c.v) {
+        int il = -1;
+        if (strncmp(t->name, "Vcur-", 5) != 0 || t->op != GGML_OP_RESHAPE || sscanf(t->name + 5, "%d", &il) != 1) {
+            return !ask;
+        }
+        if (!ask) {
+            st.ok = st.ok && code_rows(st, il, t, false);
+        }
+        return st.ok;
+    }
     const bool is_k    = strncmp(t->name, "Kcur", 4) == 0;
     const bool is_rope = t->op == GGML_OP_ROPE;
     const bool is_q    = strncmp(t->name, "Qcur-", 5) == 0 && is_rope;
-    const ksim_coder & c = *st.coder;
-    if (c.kind == KSIM_EXACT || !(is_k || is_q)) {
+    if (!(is_k || is_q)) {
         return !ask;
     }
     int il = -1;
@@ -283,7 +430,7 @@ int main(int argc, char ** argv) {
     std::vector<char *> rest;
     for (int i = 0; i < argc; ++i) {
         const std::string a = argv[i];
-        if ((a == "--kcode" || a == "--chunks" || a == "--exact-first") && i + 1 < argc) {
+        if ((a == "--kcode" || a == "--vcode" || a == "--chunks" || a == "--exact-first") && i + 1 < argc) {
             const std::string v = argv[++i];
             if (a == "--chunks") {
                 n_chunks = atoi(v.c_str());
@@ -297,9 +444,10 @@ int main(int argc, char ** argv) {
             while (p0 <= v.size()) {
                 const size_t p1 = std::min(v.find(',', p0), v.size());
                 ksim_coder c;
-                if (!parse_coder(v.substr(p0, p1 - p0), c)) {
-                    fprintf(stderr, "unknown K coder '%s' (a type name with a reference quantizer, pre-pairs:BPE or post-pairs:BPE)\n",
-                            v.substr(p0, p1 - p0).c_str());
+                c.v = a == "--vcode";
+                if (!parse_coder(v.substr(p0, p1 - p0), c) || (c.v ? c.kind == KSIM_POST_PAIRS : c.kind == KSIM_EIG)) {
+                    fprintf(stderr, "unknown %s coder '%s' (a type name with a reference quantizer, pre-pairs:BPE%s)\n",
+                            c.v ? "V" : "K", v.substr(p0, p1 - p0).c_str(), c.v ? " or eig:BPE" : " or post-pairs:BPE");
                     return 1;
                 }
                 coders.push_back(c);
@@ -314,7 +462,8 @@ int main(int argc, char ** argv) {
         return 1;
     }
     if (params.prompt.empty() || params.n_ctx <= 0 || coders.empty() || n_chunks < 1 || st.exact_first < 0) {
-        LOG_ERR("usage: %s -m MODEL -f TEXT -c N_CTX --chunks N --kcode CODER[,CODER...] [--exact-first N]\n", argv[0]);
+        LOG_ERR("usage: %s -m MODEL -f TEXT -c N_CTX --chunks N --kcode CODER[,CODER...] [--vcode CODER[,CODER...]] "
+                "[--exact-first N]\n", argv[0]);
         return 1;
     }
     common_init();
@@ -347,6 +496,8 @@ int main(int argc, char ** argv) {
     auto run = [&](int chunk, const ksim_coder & c, std::vector<float> * ref, std::vector<double> * kld) {
         st.coder = &c;
         st.plans.clear();
+        st.eig_vec.clear();
+        st.eig_mean.clear();
         llama_memory_clear(llama_get_memory(ctx), true);
         std::vector<double> lp;
         for (int i0 = 0; i0 < n_ctx; i0 += n_ub) {
@@ -361,7 +512,7 @@ int main(int argc, char ** argv) {
             st.calibrate = i0 == 0;
             st.pos0      = i0;
             if (llama_decode(ctx, batch) != 0 || !st.ok) {
-                LOG_ERR("decode failed in chunk %d at token %d with K coder %s\n", chunk, i0, c.name.c_str());
+                LOG_ERR("decode failed in chunk %d at token %d with %s coder %s\n", chunk, i0, c.v ? "V" : "K", c.name.c_str());
                 return false;
             }
             for (int i = std::max(i0, first); i < i0 + n_ub; ++i) {
@@ -398,7 +549,7 @@ int main(int argc, char ** argv) {
     }
     llama_batch_free(batch);
 
-    printf("| K coder (V exact) | bits per K value | mean KLD | standard error |\n|---|---:|---:|---:|\n");
+    printf("| coded (the other exact) | coder | bits per value | mean KLD | standard error |\n|---|---|---:|---:|---:|\n");
     for (size_t ic = 0; ic < coders.size(); ++ic) {
         const std::vector<double> & k = klds[ic];
         double s = 0.0, s2 = 0.0;
@@ -409,7 +560,7 @@ int main(int argc, char ** argv) {
         const double n = (double) k.size();
         const double mean = s / n;
         const double se = std::sqrt(std::max(0.0, s2 / n - mean * mean) / std::max(1.0, n - 1.0));
-        printf("| %s | %.2f | %.6f | %.6f |\n", coders[ic].name.c_str(), coders[ic].bpe, mean, se);
+        printf("| %s | %s | %.2f | %.6f | %.6f |\n", coders[ic].v ? "V" : "K", coders[ic].name.c_str(), coders[ic].bpe, mean, se);
     }
     return 0;
 }
