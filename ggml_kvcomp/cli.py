@@ -119,7 +119,7 @@ def _run_kld_all(args: argparse.Namespace, argv: Sequence[str], ppl_only: bool) 
         what = "Perplexity with each KV cache" if ppl_only else "KLD vs f16 KV"
         offload = f", -ngl {args.ngl}" if args.ngl else ""
         heading = f"{what}, {args.model}, ctx {ctx}, {args.chunks} chunks, {args.threads} threads{offload}"
-        section = f"{args.command}-{args.model}-ctx{ctx}" + _section_suffix(configs)
+        section = args.section or f"{args.command}-{args.model}-ctx{ctx}" + _section_suffix(configs)
         _write_section(args, argv, table, section, heading, f"corpus `{settings.corpus.name}`, ")
         tables.append(f"### {heading}\n\n{table}")
     print("\n\n".join(tables))
@@ -296,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="context sizes: short (512), medium (2048), long (8192) or numbers, comma-separated; "
                              "sizes beyond the model's training context are skipped")
         sp.add_argument("--chunks", type=_positive, default=16)
+        sp.add_argument("--section", help="with --results: the name of the section to rewrite (default: by command, "
+                        "model, context and whether modes, the buffer or plain types were run)")
         if name == "kld":
             sp.add_argument("--frontier", metavar="PNG",
                             help="also plot KLD against bpe (the last context) to this file")

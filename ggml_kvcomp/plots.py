@@ -24,12 +24,17 @@ def frontier(rows: Sequence[dict[str, Any]], out: Path, what: str = "") -> None:
     """Mean KLD against bits per element; upstream types are the reference points."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
+    # configurations of one size (kvc4, q4_0, iq4_nl, low-latency) get their labels stacked
+    # down from the highest KLD, so that none covers another
+    seen: dict[float, int] = {}
+    for r in sorted(rows, key=lambda r: -float(r["kld_mean"])):
         kld = max(float(r["kld_mean"]), 1e-6)  # f16 against itself is ~0 on a log axis
         upstream = r["label"] in UPSTREAM_TYPES
         ax.scatter(r["bpe"], kld, marker="s" if upstream else "o", color="tab:gray" if upstream else "tab:blue")
-        ax.annotate(r["label"], (r["bpe"], kld), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("bits per KV element (main cache + residual buffer)")
+        n = seen.get(round(float(r["bpe"]), 1), 0)
+        seen[round(float(r["bpe"]), 1)] = n + 1
+        ax.annotate(r["label"], (r["bpe"], kld), textcoords="offset points", xytext=(6, 4 - 10 * n), fontsize=8)
+    ax.set_xlabel("bits per KV element at the measured context (main cache + residual buffer)")
     ax.set_ylabel("mean KLD vs f16 KV")
     ax.set_yscale("log")
     ax.set_title("Quality vs memory (squares: upstream types)" + (f", {what}" if what else ""))

@@ -20,6 +20,8 @@
 // eig:BPE, the same coder on the row's coefficients in the head's eigenbasis (the mean and
 // covariance of the chunk's first ubatch; attention would undo it once per query).
 //
+// A coder followed by @L codes layer L only (a layer's share of the KLD).
+//
 // Usage: llama-kvcomp-ksim -m MODEL -f TEXT -c N_CTX --chunks N --kcode f16,kvc4,pre-pairs:4.5
 //        [--vcode kvc4,pre-pairs:4.5] [--exact-first N]
 // Prints one table row per coder: the part it codes, bits per value, mean KLD against the
@@ -50,6 +52,7 @@ struct ksim_coder {
     ggml_type   type = GGML_TYPE_F16;
     float       bpe  = 16.0f;
     bool        v    = false; // codes V (K exact) instead of K
+    int         layer = -1;   // the one layer it codes (-1: every layer)
 };
 
 struct ksim_state {
@@ -66,8 +69,18 @@ struct ksim_state {
     int64_t n_head = 0;
 };
 
-bool parse_coder(const std::string & s, ksim_coder & c) {
-    c.name = s;
+bool parse_coder(const std::string & spec, ksim_coder & c) {
+    c.name = spec;
+    const size_t at = spec.find('@');
+    const std::string s = spec.substr(0, at);
+    if (at != std::string::npos) {
+        char * end = nullptr;
+        const long l = strtol(spec.c_str() + at + 1, &end, 10);
+        if (at + 1 == spec.size() || *end != '\0' || l < 0 || l > 1000) {
+            return false;
+        }
+        c.layer = (int) l;
+    }
     const size_t colon = s.find(':');
     if (colon != std::string::npos) {
         const std::string kind = s.substr(0, colon);
@@ -290,6 +303,9 @@ void fit_eig(ksim_state & st, int il, const std::vector<float> & k, int64_t d, i
 
 // Codes the K rows of one layer in place in `t` ([d, n_kv, n_tok], contiguous F32).
 bool code_rows(ksim_state & st, int il, ggml_tensor * t, bool neox) {
+    if (st.coder->layer >= 0 && il != st.coder->layer) {
+        return true;
+    }
     if (t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t)) {
         LOG_ERR("%s: %s is not contiguous F32\n", __func__, t->name);
         return false;
@@ -446,7 +462,7 @@ int main(int argc, char ** argv) {
                 ksim_coder c;
                 c.v = a == "--vcode";
                 if (!parse_coder(v.substr(p0, p1 - p0), c) || (c.v ? c.kind == KSIM_POST_PAIRS : c.kind == KSIM_EIG)) {
-                    fprintf(stderr, "unknown %s coder '%s' (a type name with a reference quantizer, pre-pairs:BPE%s)\n",
+                    fprintf(stderr, "unknown %s coder '%s' (a type name with a reference quantizer, pre-pairs:BPE%s; @LAYER after it)\n",
                             c.v ? "V" : "K", v.substr(p0, p1 - p0).c_str(), c.v ? " or eig:BPE" : " or post-pairs:BPE");
                     return 1;
                 }
