@@ -182,3 +182,9 @@ def test_ksim_measures_k_and_v_coding(bins: Path, text: Path) -> None:
     assert bad.returncode != 0 and "unknown K coder 'kvc5'" in bad.stderr
     bad = subprocess.run([*args, "--vcode", "post-pairs:4.5"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown V coder 'post-pairs:4.5'" in bad.stderr
+    # per-layer bits need their list, and a list of bits per value in range
+    bad = subprocess.run([*args, "--kcode", "pre-pairs:per-layer"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown K coder 'pre-pairs:per-layer'" in bad.stderr
+    bad = subprocess.run([*args, "--layer-bpe", "4,9", "--kcode", "pre-pairs:per-layer"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "--layer-bpe wants" in bad.stderr

@@ -20,10 +20,11 @@
 // eig:BPE, the same coder on the row's coefficients in the head's eigenbasis (the mean and
 // covariance of the chunk's first ubatch; attention would undo it once per query).
 //
-// A coder followed by @L codes layer L only (a layer's share of the KLD).
+// A coder followed by @L codes layer L only (a layer's share of the KLD); KIND:per-layer takes
+// each layer's bits per value from --layer-bpe B0,B1,... (the table gives their mean).
 //
 // Usage: llama-kvcomp-ksim -m MODEL -f TEXT -c N_CTX --chunks N --kcode f16,kvc4,pre-pairs:4.5
-//        [--vcode kvc4,pre-pairs:4.5] [--exact-first N]
+//        [--vcode kvc4,pre-pairs:4.5] [--exact-first N] [--layer-bpe B0,B1,...]
 // Prints one table row per coder: the part it codes, bits per value, mean KLD against the
 // exact run and its standard error, over the second half of every chunk. --exact-first N
 // leaves the rows of the first N positions exact, as the residual buffer's sinks keep them
@@ -53,6 +54,7 @@ struct ksim_coder {
     float       bpe  = 16.0f;
     bool        v    = false; // codes V (K exact) instead of K
     int         layer = -1;   // the one layer it codes (-1: every layer)
+    std::vector<float> layer_bpe; // per layer (KIND:per-layer, from --layer-bpe), else empty
 };
 
 struct ksim_state {
@@ -69,7 +71,7 @@ struct ksim_state {
     int64_t n_head = 0;
 };
 
-bool parse_coder(const std::string & spec, ksim_coder & c) {
+bool parse_coder(const std::string & spec, ksim_coder & c, const std::vector<float> & layer_bpe) {
     c.name = spec;
     const size_t at = spec.find('@');
     const std::string s = spec.substr(0, at);
@@ -85,8 +87,16 @@ bool parse_coder(const std::string & spec, ksim_coder & c) {
     if (colon != std::string::npos) {
         const std::string kind = s.substr(0, colon);
         char * end = nullptr;
-        c.bpe = strtof(s.c_str() + colon + 1, &end);
-        if (*end != '\0' || !(c.bpe >= 1.0f && c.bpe <= 8.5f)) {
+        if (s.substr(colon + 1) == "per-layer") {
+            if (layer_bpe.empty()) {
+                return false;
+            }
+            c.layer_bpe = layer_bpe;
+            c.bpe = 0.0f;
+            for (float b : layer_bpe) {
+                c.bpe += b / (float) layer_bpe.size();
+            }
+        } else if (c.bpe = strtof(s.c_str() + colon + 1, &end); *end != '\0' || !(c.bpe >= 1.0f && c.bpe <= 8.5f)) {
             return false;
         }
         c.kind = kind == "pre-pairs" ? KSIM_PRE_PAIRS : kind == "post-pairs" ? KSIM_POST_PAIRS :
@@ -185,7 +195,12 @@ bool fit_layer(ksim_state & st, int il, const std::vector<float> & k, int64_t d,
         const kvc_t_stats stats = { (int32_t) d, (const int16_t (*)[2]) pair.data(), mean.data(),
                                     (const float (*)[3]) k2.data(), (const float (*)[3]) w.data() };
         const kvc_t_basis basis = c.kind == KSIM_POST_PAIRS ? KVC_T_BASIS_POOLED : KVC_T_BASIS_PAIR_AXES;
-        if (!kvc_t_plan_fit(&st.plans[il][h], &stats, basis, (int32_t) lroundf(c.bpe * (float) d))) {
+        if (!c.layer_bpe.empty() && (int) c.layer_bpe.size() <= il) {
+            LOG_ERR("layer %d: --layer-bpe names %zu layers\n", il, c.layer_bpe.size());
+            return false;
+        }
+        const float bpe = c.layer_bpe.empty() ? c.bpe : c.layer_bpe[il];
+        if (!kvc_t_plan_fit(&st.plans[il][h], &stats, basis, (int32_t) lroundf(bpe * (float) d))) {
             LOG_ERR("layer %d head %lld: the plan's statistics were refused\n", il, (long long) h);
             return false;
         }
@@ -444,8 +459,29 @@ int main(int argc, char ** argv) {
     std::vector<ksim_coder> coders;
     int n_chunks = 4;
     std::vector<char *> rest;
+    // first, as the coders named per-layer read it
+    std::vector<float> layer_bpe;
+    for (int i = 0; i + 1 < argc; ++i) {
+        if (std::string(argv[i]) != "--layer-bpe") {
+            continue;
+        }
+        for (const char * p = argv[i + 1]; *p;) {
+            char * end = nullptr;
+            const float b = strtof(p, &end);
+            if (end == p || !(b >= 1.0f && b <= 8.5f) || (*end != ',' && *end != '\0')) {
+                fprintf(stderr, "--layer-bpe wants bits per value in [1, 8.5], one per layer, comma-separated\n");
+                return 1;
+            }
+            layer_bpe.push_back(b);
+            p = *end ? end + 1 : end;
+        }
+    }
     for (int i = 0; i < argc; ++i) {
         const std::string a = argv[i];
+        if (a == "--layer-bpe" && i + 1 < argc) {
+            ++i;
+            continue;
+        }
         if ((a == "--kcode" || a == "--vcode" || a == "--chunks" || a == "--exact-first") && i + 1 < argc) {
             const std::string v = argv[++i];
             if (a == "--chunks") {
@@ -461,8 +497,9 @@ int main(int argc, char ** argv) {
                 const size_t p1 = std::min(v.find(',', p0), v.size());
                 ksim_coder c;
                 c.v = a == "--vcode";
-                if (!parse_coder(v.substr(p0, p1 - p0), c) || (c.v ? c.kind == KSIM_POST_PAIRS : c.kind == KSIM_EIG)) {
-                    fprintf(stderr, "unknown %s coder '%s' (a type name with a reference quantizer, pre-pairs:BPE%s; @LAYER after it)\n",
+                if (!parse_coder(v.substr(p0, p1 - p0), c, layer_bpe) || (c.v ? c.kind == KSIM_POST_PAIRS : c.kind == KSIM_EIG)) {
+                    fprintf(stderr, "unknown %s coder '%s' (a type name with a reference quantizer, pre-pairs:BPE%s, BPE per-layer with "
+                            "--layer-bpe; @LAYER after it)\n",
                             c.v ? "V" : "K", v.substr(p0, p1 - p0).c_str(), c.v ? " or eig:BPE" : " or post-pairs:BPE");
                     return 1;
                 }
@@ -479,7 +516,7 @@ int main(int argc, char ** argv) {
     }
     if (params.prompt.empty() || params.n_ctx <= 0 || coders.empty() || n_chunks < 1 || st.exact_first < 0) {
         LOG_ERR("usage: %s -m MODEL -f TEXT -c N_CTX --chunks N --kcode CODER[,CODER...] [--vcode CODER[,CODER...]] "
-                "[--exact-first N]\n", argv[0]);
+                "[--exact-first N] [--layer-bpe B0,B1,...]\n", argv[0]);
         return 1;
     }
     common_init();
