@@ -118,13 +118,17 @@ def parse_kv_bpe(log: str) -> tuple[float, float]:
     return (float(m.group(3)) * mib / (cells * layers * n_k), float(m.group(4)) * mib / (cells * layers * n_v))
 
 
-def parse_buffer_bpe(log: str, main_bpe: float) -> float:
-    """Bits per cached element that the residual buffer adds, from the 'kvcomp: KV memory'
-    lines (one per cache; two for a sliding-window model): buffer MiB over main MiB, times
-    the main cache's bits per element."""
+def _kv_memory(log: str) -> tuple[float, float]:
+    """(main cache MiB, residual buffer MiB) over the 'kvcomp: KV memory' lines (one per
+    cache; two for a sliding-window model), zeros without them."""
     lines = re.findall(r"kvcomp: KV memory: main cache ([\d.]+) MiB .*?residual buffer ([\d.]+) MiB", log)
-    main = sum(float(m) for m, _ in lines)
-    buf = sum(float(b) for _, b in lines)
+    return sum(float(m) for m, _ in lines), sum(float(b) for _, b in lines)
+
+
+def parse_buffer_bpe(log: str, main_bpe: float) -> float:
+    """Bits per cached element that the residual buffer adds: buffer MiB over main MiB, times
+    the main cache's bits per element."""
+    main, buf = _kv_memory(log)
     return buf / main * main_bpe if main > 0 else 0.0
 
 
@@ -136,8 +140,10 @@ def parse_kv_mib_full(log: str, ctx_full: int) -> float:
     """KV MiB at a context of ctx_full tokens, from one run's log: each cache's MiB per cell
     times its cells there (a sliding-window cache holds min(ctx, n_swa + n_ubatch) cells, as
     llama_kv_cache_iswa sizes it, both padded to 256), plus the residual buffer's MiB."""
-    n_swa = int(_number(r"n_swa\s*=\s*(\d+)", log)) if re.search(r"n_swa\s*=", log) else 0
-    n_ubatch = int(_number(r"n_ubatch\s*=\s*(\d+)", log)) if re.search(r"n_ubatch\s*=", log) else 512
+    swa_m = re.search(r"n_swa\s*=\s*(\d+)", log)
+    ubatch_m = re.search(r"n_ubatch\s*=\s*(\d+)", log)
+    n_swa = int(swa_m.group(1)) if swa_m else 0
+    n_ubatch = int(ubatch_m.group(1)) if ubatch_m else 512
     total, swa = 0.0, False
     found = False
     for line in log.splitlines():
@@ -151,8 +157,7 @@ def parse_kv_mib_full(log: str, ctx_full: int) -> float:
             swa = False
     if not found:
         raise ValueError("llama-perplexity output lacks the llama_kv_cache size line")
-    buf = re.findall(r"kvcomp: KV memory: main cache [\d.]+ MiB .*?residual buffer ([\d.]+) MiB", log)
-    return total + sum(float(b) for b in buf)
+    return total + _kv_memory(log)[1]
 
 
 def parse_tracker_rmse(log: str) -> tuple[float, float, float]:

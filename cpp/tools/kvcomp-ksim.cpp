@@ -54,7 +54,7 @@ struct ksim_coder {
     float       bpe  = 16.0f;
     bool        v    = false; // codes V (K exact) instead of K
     int         layer = -1;   // the one layer it codes (-1: every layer)
-    std::vector<float> layer_bpe; // per layer (KIND:per-layer, from --layer-bpe), else empty
+    bool        per_layer = false; // bits per value by layer (ksim_state::layer_bpe); bpe is their mean
 };
 
 struct ksim_state {
@@ -68,6 +68,7 @@ struct ksim_state {
     // eig: per layer and KV head, the rows' mean and their covariance's eigenvectors (column
     // j of a d x d row-major matrix, by falling eigenvalue)
     std::vector<std::vector<std::vector<double>>> eig_mean, eig_vec;
+    std::vector<float> layer_bpe; // --layer-bpe: bits per value of each layer, for the per-layer coders
     int64_t n_head = 0;
 };
 
@@ -91,7 +92,7 @@ bool parse_coder(const std::string & spec, ksim_coder & c, const std::vector<flo
             if (layer_bpe.empty()) {
                 return false;
             }
-            c.layer_bpe = layer_bpe;
+            c.per_layer = true;
             c.bpe = 0.0f;
             for (float b : layer_bpe) {
                 c.bpe += b / (float) layer_bpe.size();
@@ -195,11 +196,11 @@ bool fit_layer(ksim_state & st, int il, const std::vector<float> & k, int64_t d,
         const kvc_t_stats stats = { (int32_t) d, (const int16_t (*)[2]) pair.data(), mean.data(),
                                     (const float (*)[3]) k2.data(), (const float (*)[3]) w.data() };
         const kvc_t_basis basis = c.kind == KSIM_POST_PAIRS ? KVC_T_BASIS_POOLED : KVC_T_BASIS_PAIR_AXES;
-        if (!c.layer_bpe.empty() && (int) c.layer_bpe.size() <= il) {
-            LOG_ERR("layer %d: --layer-bpe names %zu layers\n", il, c.layer_bpe.size());
+        if (c.per_layer && (int) st.layer_bpe.size() <= il) {
+            LOG_ERR("layer %d: --layer-bpe names %zu layers\n", il, st.layer_bpe.size());
             return false;
         }
-        const float bpe = c.layer_bpe.empty() ? c.bpe : c.layer_bpe[il];
+        const float bpe = c.per_layer ? st.layer_bpe[il] : c.bpe;
         if (!kvc_t_plan_fit(&st.plans[il][h], &stats, basis, (int32_t) lroundf(bpe * (float) d))) {
             LOG_ERR("layer %d head %lld: the plan's statistics were refused\n", il, (long long) h);
             return false;
@@ -460,7 +461,7 @@ int main(int argc, char ** argv) {
     int n_chunks = 4;
     std::vector<char *> rest;
     // first, as the coders named per-layer read it
-    std::vector<float> layer_bpe;
+    std::vector<float> & layer_bpe = st.layer_bpe;
     for (int i = 0; i + 1 < argc; ++i) {
         if (std::string(argv[i]) != "--layer-bpe") {
             continue;
