@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .calibrate import kv_args
 from .kvtypes import BITS_PER_ELEMENT, KvConfig
 from .paths import binary
 
@@ -94,7 +95,7 @@ def run_bench(cfg: KvConfig, model: Path, depths: Sequence[int], n_gen: int, thr
     args = [
         str(binary("llama-bench")), "-m", str(model), "-fa", "1", "-p", str(n_prompt), "-n", str(n_gen),
         "-d", ",".join(str(d) for d in sorted(depths)), "-t", str(threads), "-r", str(reps),
-        "-ngl", str(n_gpu_layers), *cfg.tool_args(), "-o", "json", "-v",
+        "-ngl", str(n_gpu_layers), *kv_args(cfg, model), "-o", "json", "-v",
     ]
     out, err, rss = _run_tool(args, cfg.label)
     mem = parse_memory(err, rss)
@@ -158,7 +159,7 @@ def parallel_args(cfg: KvConfig, model: Path, depths: Sequence[int], n_gen: int,
         str(binary("llama-batched-bench")), "-m", str(model), "-c", str(parallel_ctx(depths, n_gen, n_parallel)),
         "-b", "2048", "-ub", "512", "-npp", ",".join(str(d) for d in sorted(depths)), "-ntg", str(n_gen),
         "-npl", str(n_parallel), "-pps", "-fa", "on", "-t", str(threads), "-ngl", str(n_gpu_layers),
-        *cfg.tool_args(), "--output-format", "jsonl", "-v",
+        *kv_args(cfg, model), "--output-format", "jsonl", "-v",
     ]
 
 

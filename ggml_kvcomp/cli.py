@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import bench, corpus, export, models, needle, perplexity, plots, regress, report, steps
+from . import bench, calibrate, corpus, export, models, needle, perplexity, plots, regress, report, steps
 from .kvtypes import DEFAULT_CONFIGS, KvConfig
 
 
@@ -208,6 +208,17 @@ def cmd_profile(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    model = Path(args.model_file) if args.model_file else models.fetch_model(args.model)
+    if not model.is_file():
+        raise FileNotFoundError(f"{model}: no such model file")
+    out = Path(args.out) if args.out else calibrate.kstats_path(model)
+    text = Path(args.text) if args.text else None
+    calibrate.calibrate(model, out, ctx=args.ctx, chunks=args.chunks, threads=args.threads, text=text)
+    print(f"kvcomp calibrate: {model.name}: K statistics -> {out} (load with --kv-comp-kstats {out})")
+    return 0
+
+
 def cmd_regress(args: argparse.Namespace, argv: Sequence[str]) -> int:
     path = Path(args.baseline)
     if args.write:
@@ -358,6 +369,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--chunks", type=_positive, default=8)
     pr.add_argument("--out", required=True, help="the JSON file to write")
     pr.set_defaults(func=cmd_profile)
+
+    ca = sub.add_parser("calibrate", help="K statistics of a model for the kvct K types (--kv-comp-kstats FILE)")
+    ca.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS))
+    ca.add_argument("-m", "--model-file", help="a GGUF file instead of a bundled model")
+    ca.add_argument("--text", help="text to measure on (default: the end of the bundled corpus)")
+    ca.add_argument("--threads", type=_positive, default=2)
+    ca.add_argument("--ctx", type=_positive, default=512)
+    ca.add_argument("--chunks", type=_positive, default=24)
+    ca.add_argument("--out", help="the GGUF file to write (default: the cache, where kvcomp kld/bench find it)")
+    ca.set_defaults(func=cmd_calibrate)
     return p
 
 

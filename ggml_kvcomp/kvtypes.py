@@ -9,15 +9,19 @@ from .capi import MODE_NAMES, ModeName, mode_preset
 
 UpstreamType = Literal["f16", "q8_0", "q4_0", "iq4_nl"]
 KvcType = Literal["kvc8", "kvc4", "kvc3", "kvc2"]
+# transform-coded K rows, plans fitted from the model's K statistics (K only)
+KvctType = Literal["kvct4", "kvct3"]
 
 UPSTREAM_TYPES: tuple[str, ...] = get_args(UpstreamType)
 KVC_TYPES: tuple[str, ...] = get_args(KvcType)
-ALL_TYPES: tuple[str, ...] = UPSTREAM_TYPES + KVC_TYPES
+KVCT_TYPES: tuple[str, ...] = get_args(KvctType)
+ALL_TYPES: tuple[str, ...] = UPSTREAM_TYPES + KVC_TYPES + KVCT_TYPES
 
 # Bits per element from each type's block: (block bytes * 8) / block values.
 BITS_PER_ELEMENT: dict[str, float] = {
     "f16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "iq4_nl": 4.5,
     "kvc8": 8.5, "kvc4": 4.5, "kvc3": 3.5, "kvc2": 2.5,
+    "kvct4": 4.5, "kvct3": 3.5,
 }
 
 
@@ -52,6 +56,8 @@ class KvConfig:
         for t in (self.type_k, self.type_v):
             if t not in ALL_TYPES:
                 raise ValueError(f"unknown KV cache type {t!r}; known: {', '.join(ALL_TYPES)}")
+        if self.type_v in KVCT_TYPES:
+            raise ValueError(f"V cannot be {self.type_v}: the kvct types code K rows only")
         if self.window < 0 or self.sinks < 0:
             raise ValueError("window and sinks must be >= 0")
         if self.merge_interval < 1:
@@ -83,6 +89,11 @@ class KvConfig:
         if self.mode is not None:
             base = self.mode
         return base + "".join(f":{letter}{value:g}" for letter, _, value in self._knobs())
+
+    @property
+    def needs_kstats(self) -> bool:
+        """Whether K is a kvct type, which loads the model's K statistics."""
+        return self.type_k in KVCT_TYPES
 
     @property
     def buffered(self) -> bool:

@@ -9,6 +9,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .calibrate import kv_args
 from .kvtypes import BITS_PER_ELEMENT, KvConfig
 from .paths import binary, cache_dir, sha256_file
 
@@ -205,7 +206,7 @@ def parse_kld(label: str, cfg: KvConfig, log: str, ctx_full: int) -> KldResult:
 def run_kld(cfg: KvConfig, s: RunSettings) -> KldResult:
     base = base_logits(s)
     fa = "on" if s.flash_attn else "off"
-    log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", fa, *cfg.tool_args(),
+    log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", fa, *kv_args(cfg, s.model),
                 "--kl-divergence-base", str(base), "--kl-divergence"])
     return parse_kld(cfg.label, cfg, log, s.ctx_full or s.ctx)
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .calibrate import kv_args
 from .kvtypes import KvConfig
 from .paths import binary
 
@@ -28,7 +29,7 @@ class StepResult:
 
 def run_steps(cfg: KvConfig, model: Path, depth: int, n_gen: int, threads: int) -> StepResult:
     args = [str(binary("llama-kvcomp-steps")), "-m", str(model), "-c", str(depth + n_gen + 1), "-n", str(n_gen),
-            "-t", str(threads), "-fa", "on", *cfg.tool_args()]
+            "-t", str(threads), "-fa", "on", *kv_args(cfg, model)]
     proc = subprocess.run(args, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-kvcomp-steps failed for {cfg.label}:\n{proc.stderr[-2000:]}")

@@ -18,11 +18,12 @@ MODELS: dict[str, tuple[str, list[str]]] = {
     "test-kvc-llama": ("smollm2-135m", []),
     "test-kvc-fuzz": ("smollm2-135m-f32", ["120"]),
     "test-kvc-state": ("smollm2-135m", ["40"]),
+    "test-kvc-plans": ("smollm2-135m", []),
 }
 
 
-@pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-transform", "test-kvc-llama",
-                                  "test-kvc-fuzz", "test-kvc-state"])
+@pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-transform", "test-kvc-kvct", "test-kvc-llama",
+                                  "test-kvc-fuzz", "test-kvc-state", "test-kvc-plans"])
 def test_cpp(bins: Path, name: str, tmp_path: Path) -> None:
     args = [str(bins / name)]
     if name in MODELS:

@@ -13,7 +13,19 @@ extern "C" {
 #define GGML_KVCOMP_TYPE_FIRST GGML_TYPE_KVC8
 #define GGML_KVCOMP_TYPE_LAST  GGML_TYPE_KVC2
 
-// Returns GGML_TYPE_COUNT when the name is not a kvc type.
+// The transform-coded K types (docs/formats.md, "kvct"), GGML_TYPE_KVCT4 .. GGML_TYPE_KVCT3:
+// a row is one KV head's d values coded with a plan of that layer and head, so no kernel can
+// read or write one without the plans. A node that does (SET_ROWS into such a cache, the
+// FLASH_ATTN_EXT that reads it) carries them as a source (ggml_kvct_set_plans): an I8 tensor
+// of one kvc_t_plan (kvc-transform.h) per KV head. Only the CPU backend runs such nodes.
+#define GGML_KVCOMP_KVCT_FIRST GGML_TYPE_KVCT4
+#define GGML_KVCOMP_KVCT_LAST  GGML_TYPE_KVCT3
+
+static inline bool ggml_kvcomp_is_kvct(enum ggml_type t) {
+    return t >= GGML_KVCOMP_KVCT_FIRST && t <= GGML_KVCOMP_KVCT_LAST;
+}
+
+// Returns GGML_TYPE_COUNT when the name is not a kvc or kvct type.
 GGML_API enum ggml_type ggml_kvcomp_type_from_name(const char * name);
 
 // Two-source attention. A FLASH_ATTN_EXT node may read exact F16 rows beside its main K/V
@@ -29,6 +41,9 @@ GGML_API enum ggml_type ggml_kvcomp_type_from_name(const char * name);
 #define GGML_KVCOMP_FA_SRC_V_EXACT  6
 #define GGML_KVCOMP_FA_SRC_K_UBATCH 7
 #define GGML_KVCOMP_FA_SRC_V_UBATCH 8
+// the K plans of a FLASH_ATTN_EXT node, and of a SET_ROWS node, when K is a kvct type
+#define GGML_KVCOMP_FA_SRC_K_PLANS    9
+#define GGML_KVCOMP_SET_ROWS_SRC_PLANS 2
 
 GGML_API void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_tensor * k_exact, struct ggml_tensor * v_exact,
                                             struct ggml_tensor * k_ubatch, struct ggml_tensor * v_ubatch);
@@ -36,9 +51,16 @@ GGML_API void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_
 // Whether a FLASH_ATTN_EXT node reads a second source (above).
 GGML_API bool ggml_flash_attn_ext_has_exact(const struct ggml_tensor * a);
 
+// Gives a SET_ROWS node that writes a kvct cache, or a FLASH_ATTN_EXT node that reads one as
+// K, the plans of its rows ([n_head_kv * sizeof(kvc_t_plan)] I8); and reads them back (NULL
+// when the node has none).
+GGML_API void ggml_kvct_set_plans(struct ggml_tensor * node, struct ggml_tensor * plans);
+GGML_API const struct ggml_tensor * ggml_kvct_get_plans(const struct ggml_tensor * node);
+
 // The op-support query's kvcomp rule, asked before a device's own answer: a node with a
-// second attention source runs only where its kernel is (the CPU backend), since a backend
-// that does not know the sources would silently attend the main cells alone.
+// second attention source or with kvct plans runs only where its kernel is (the CPU
+// backend), since a backend that does not know the sources would silently attend the main
+// cells alone, and one that does not know the plans cannot read the rows.
 struct ggml_backend_device;
 GGML_API bool ggml_kvcomp_dev_supports_op(struct ggml_backend_device * dev, const struct ggml_tensor * op);
 

@@ -9,6 +9,7 @@
 // non-uniform int8 levels fitted to Hadamard-rotated, near-Gaussian rows.
 
 #include "ggml-kvcomp.h"
+#include "kvc-transform.h"
 
 #include <assert.h>
 #include <stddef.h>
@@ -154,11 +155,23 @@ GGML_API bool ggml_validate_row_data_kvc(enum ggml_type type, const void * data,
         .from_float_ref = (ggml_from_float_t) quantize_row_##name##_ref,    \
     }
 
+// A kvct row needs its plan to be read or written (kvc-transform.h): no plan-free to_float or
+// from_float, so an op outside kvcomp's kernels cannot silently misread one.
+#define GGML_KVCOMP_KVCT_TRAIT(name, NAME)                                  \
+    [GGML_TYPE_##NAME] = {                                                  \
+        .type_name      = #name,                                            \
+        .blck_size      = QK_KVCT,                                          \
+        .type_size      = sizeof(block_##name),                             \
+        .is_quantized   = true,                                             \
+    }
+
 #define GGML_KVCOMP_TYPE_TRAITS             \
     GGML_KVCOMP_TYPE_TRAIT(kvc8, KVC8),     \
     GGML_KVCOMP_TYPE_TRAIT(kvc4, KVC4),     \
     GGML_KVCOMP_TYPE_TRAIT(kvc3, KVC3),     \
-    GGML_KVCOMP_TYPE_TRAIT(kvc2, KVC2)
+    GGML_KVCOMP_TYPE_TRAIT(kvc2, KVC2),     \
+    GGML_KVCOMP_KVCT_TRAIT(kvct4, KVCT4),   \
+    GGML_KVCOMP_KVCT_TRAIT(kvct3, KVCT3)
 
 // Case labels for upstream switches that list the quantized types.
 #define GGML_KVCOMP_TYPE_CASES \
@@ -166,6 +179,12 @@ GGML_API bool ggml_validate_row_data_kvc(enum ggml_type type, const void * data,
     case GGML_TYPE_KVC4:       \
     case GGML_TYPE_KVC3:       \
     case GGML_TYPE_KVC2
+
+// ... and for the switches that also take the kvct types (ggml_validate_row_data)
+#define GGML_KVCOMP_ALL_TYPE_CASES \
+    GGML_KVCOMP_TYPE_CASES:        \
+    case GGML_TYPE_KVCT4:          \
+    case GGML_TYPE_KVCT3
 
 #ifdef __cplusplus
 }

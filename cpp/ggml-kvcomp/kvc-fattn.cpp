@@ -15,6 +15,8 @@
 //  - prompt (several query tokens): a work item is (stream, KV head, block of query tokens);
 //    its rows (tokens x query heads, at most 64) meet 64-key tiles dequantized to F32 and
 //    multiplied as upstream's tiled F16 kernel does, so a kvc cache costs about what F16 does.
+// A kvct K cache (ggml_kvct_set_plans) is read through its KV head's plan: each row decoded
+// to F32 once for all the heads of its group.
 
 #include "kvc-cpu.h"
 #include "kvc-simd.h"
@@ -30,6 +32,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <vector>
 
 namespace {
 
@@ -153,6 +156,68 @@ void gemm_f32(float * C, const float * A, const float * B, int M, int K, int N, 
     }
 }
 
+// A kvct row's decoding by its plan, set up once per node and KV head: each coded
+// coefficient's bit offset, width and levels. It computes the products dequantize_row_kvct
+// does (level x sigma x row scale, then the plan's inverse transform), so both give the same
+// floats; where the reference walks the row bit by bit, this reads each code with one load.
+struct kvct_decoder {
+    const kvc_t_plan * plan = nullptr;
+    int32_t  n = 0;          // coded coefficients
+    bool     identity = false; // no rotation and no mean: the coefficients are the row
+    size_t   row_bytes = 0;
+    int16_t  j[KVC_T_MAX_D];
+    uint16_t off[KVC_T_MAX_D];
+    uint32_t mask[KVC_T_MAX_D];
+    const float * lv[KVC_T_MAX_D];
+
+    void init(const kvc_t_plan * p) {
+        plan = p;
+        row_bytes = kvc_t_row_size(p->row_bits);
+        identity = true;
+        for (int32_t q = 0; q < p->d / 2; ++q) {
+            identity = identity && p->rot[q][0] == 1.0f && p->rot[q][1] == 0.0f;
+        }
+        for (int32_t c = 0; c < p->d; ++c) {
+            identity = identity && p->mean[c] == 0.0f;
+        }
+        n = 0;
+        uint32_t pos = 8;
+        for (int32_t c = 0; c < p->d; ++c) {
+            const int b = p->bits[c];
+            if (b == 0) {
+                continue;
+            }
+            j[n]    = (int16_t) c;
+            off[n]  = (uint16_t) pos;
+            mask[n] = (1u << b) - 1u;
+            lv[n]   = kvc_t_levels_of(b);
+            pos += (uint32_t) b;
+            ++n;
+        }
+    }
+
+    void decode(const uint8_t * x, float * y) const {
+        uint8_t buf[(8 + KVC_T_MAX_BITS * KVC_T_MAX_D) / 8 + 8];
+        memcpy(buf, x, row_bytes);
+        memset(buf + row_bytes, 0, 8);
+        const float s = kvc_e8_to_fp32(buf[0]);
+        float v[KVC_T_MAX_D];
+        float * out = identity ? y : v;
+        memset(out, 0, plan->d * sizeof(float));
+        if (s > 0.0f) {
+            for (int32_t i = 0; i < n; ++i) {
+                uint64_t w;
+                memcpy(&w, buf + (off[i] >> 3), sizeof(w));
+                const uint32_t code = (uint32_t) (w >> (off[i] & 7)) & mask[i];
+                out[j[i]] = lv[i][code] * plan->sigma[j[i]] * s;
+            }
+        }
+        if (!identity) {
+            kvc_t_inverse(plan, v, y);
+        }
+    }
+};
+
 // One K or V source of the node: rows of n keys, indexed [key, KV head, stream].
 struct fa_src {
     const char * data = nullptr;
@@ -160,9 +225,22 @@ struct fa_src {
     ggml_type    type = GGML_TYPE_COUNT;
     int64_t      n = 0;
     int64_t      r3 = 1; // query streams per source stream
+    const kvct_decoder * plans = nullptr; // per KV head, for kvct rows
+    bool ref = false;                    // kvct rows through the format's reference
 
     const char * row(int64_t j, int64_t hk, int64_t s) const {
         return data + j * nb1 + hk * nb2 + (s / r3) * nb3;
+    }
+
+    // row j of KV head hk in stream s, as F32 (to_f32: the row converter of a type without plans)
+    void row_f32(row_to_f32_t to_f32, int64_t j, int64_t hk, int64_t s, float * y, int64_t d) const {
+        if (plans && ref) {
+            dequantize_row_kvct(plans[hk].plan, (const uint8_t *) row(j, hk, s), y);
+        } else if (plans) {
+            plans[hk].decode((const uint8_t *) row(j, hk, s), y);
+        } else {
+            to_f32(row(j, hk, s), y, d);
+        }
     }
 };
 
@@ -186,6 +264,7 @@ struct fa_node {
     const ggml_tensor * sinks;
     ggml_tensor *       dst;
     fa_src   k[KVC_FA_N_SRC], v[KVC_FA_N_SRC]; // main cells, exact slots, exact rows of the ubatch (F32 read as F16)
+    std::vector<kvct_decoder> k_plans;        // per KV head of a kvct main K
     int64_t  DK, DV, n_q, n_head, n_head_kv, n_stream, G, n_keys;
     float    scale, softcap, max_bias, m0, m1;
     uint32_t n_head_log2;
@@ -353,9 +432,9 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
     const fa_src & K = a.k[is];
     const fa_src & V = a.v[is];
     const bool ref = a.ref;
-    const row_to_f32_t k_to_f32 = get_row_to_f32(K.type, ref, is == KVC_FA_SRC_UBATCH);
+    const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, ref, is == KVC_FA_SRC_UBATCH);
     const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref, is == KVC_FA_SRC_UBATCH);
-    const ggml_kvc_vec_dot_multi_t k_dot = ggml_kvc_cpu_get_vec_dot_multi(K.type, ref);
+    const ggml_kvc_vec_dot_multi_t k_dot = K.plans ? nullptr : ggml_kvc_cpu_get_vec_dot_multi(K.type, ref);
     const int64_t DK = a.DK, DV = a.DV;
     const bool shared_mask = !a.mask || (a.mask->ne[2] == 1 && a.max_bias <= 0.0f);
 
@@ -391,7 +470,7 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
                 continue;
             }
             // decoded once for all heads
-            k_to_f32(K.row(t0 + j, hk, s), kt, DK);
+            K.row_f32(k_to_f32, t0 + j, hk, s, kt, DK);
             for (int64_t g = 0; g < gn; ++g) {
                 if (sc[g][j] != -INFINITY) {
                     sc[g][j] = a.score(dot_f32(kt, qf[g], DK, ref), sc[g][j]);
@@ -578,7 +657,7 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
         if (K.n == 0) {
             continue;
         }
-        const row_to_f32_t k_to_f32 = get_row_to_f32(K.type, ref, is == KVC_FA_SRC_UBATCH);
+        const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, ref, is == KVC_FA_SRC_UBATCH);
         const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref, is == KVC_FA_SRC_UBATCH);
 
         for (int64_t j0 = 0; j0 < K.n; j0 += TK) {
@@ -600,7 +679,7 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
             }
 
             for (int c = 0; c < nk; ++c) {
-                k_to_f32(K.row(j0 + c, hk, s), kt, DK);
+                K.row_f32(k_to_f32, j0 + c, hk, s, kt, DK);
                 for (int64_t d = 0; d < DK; ++d) {
                     K32[d * TK + c] = kt[d];
                 }
@@ -684,10 +763,18 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
     const ggml_tensor * kn = dst->src[GGML_KVCOMP_FA_SRC_K_UBATCH];
     const ggml_tensor * vn = dst->src[GGML_KVCOMP_FA_SRC_V_UBATCH];
 
-    if (!ke && !is_kvc(k->type) && !is_kvc(v->type)) {
+    const bool kvct = ggml_kvcomp_is_kvct(k->type);
+    if (!ke && !is_kvc(k->type) && !is_kvc(v->type) && !kvct) {
         return false;
     }
-    const bool fits = q->type == GGML_TYPE_F32 && readable(k->type) && readable(v->type) &&
+    const ggml_tensor * kp = dst->src[GGML_KVCOMP_FA_SRC_K_PLANS];
+    if (kvct) {
+        GGML_ASSERT(kp && "kvcomp: a kvct K cache is read with its plans (llama_kvcomp_set_k_stats)");
+        const kvc_t_plan * plan = (const kvc_t_plan *) kp->data;
+        GGML_ASSERT(ggml_nbytes(kp) == (size_t) k->ne[2] * sizeof(kvc_t_plan) && plan[0].d == k->ne[0] &&
+                    plan[0].row_bits == kvc_t_type_row_bits(k->type, k->ne[0]) && "kvcomp: kvct plans of another shape");
+    }
+    const bool fits = q->type == GGML_TYPE_F32 && (kvct || readable(k->type)) && readable(v->type) &&
                       k->ne[0] <= KVC_MAX_ROW && k->ne[0] % QK_KVC == 0 && q->ne[2] % k->ne[2] == 0 &&
                       k->ne[2] == v->ne[2] && q->ne[3] % k->ne[3] == 0 && q->ne[3] % v->ne[3] == 0;
     if (!fits) {
@@ -702,6 +789,14 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
     a.dst   = dst;
     a.n_stream  = q->ne[3];
     a.k[0] = make_src(k, a.n_stream);
+    if (kvct) {
+        a.k_plans.resize(k->ne[2]);
+        for (int64_t h = 0; h < k->ne[2]; ++h) {
+            a.k_plans[h].init((const kvc_t_plan *) kp->data + h);
+        }
+        a.k[0].plans = a.k_plans.data();
+        a.k[0].ref   = params->use_ref;
+    }
     a.v[0] = make_src(v, a.n_stream);
     a.k[1] = make_src(ke, a.n_stream);
     a.v[1] = make_src(ve, a.n_stream);

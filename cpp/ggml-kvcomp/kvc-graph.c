@@ -43,8 +43,32 @@ bool ggml_flash_attn_ext_has_exact(const struct ggml_tensor * a) {
     return a->op == GGML_OP_FLASH_ATTN_EXT && a->src[GGML_KVCOMP_FA_SRC_K_EXACT] != NULL;
 }
 
+static int ggml_kvct_plans_src(const struct ggml_tensor * node) {
+    switch (node->op) {
+        case GGML_OP_SET_ROWS:        return GGML_KVCOMP_SET_ROWS_SRC_PLANS;
+        case GGML_OP_FLASH_ATTN_EXT:  return GGML_KVCOMP_FA_SRC_K_PLANS;
+        default:                      return -1;
+    }
+}
+
+void ggml_kvct_set_plans(struct ggml_tensor * node, struct ggml_tensor * plans) {
+    const int is = ggml_kvct_plans_src(node);
+    GGML_ASSERT(is >= 0 && "kvct plans go to the SET_ROWS or FLASH_ATTN_EXT node of a kvct cache");
+    const struct ggml_tensor * rows = node->op == GGML_OP_SET_ROWS ? node : node->src[1];
+    GGML_ASSERT(ggml_kvcomp_is_kvct(rows->type) && "only kvct rows have plans");
+    GGML_ASSERT(plans->type == GGML_TYPE_I8 && ggml_is_contiguous(plans) && ggml_nelements(plans) == plans->ne[0]);
+    node->src[is] = plans;
+}
+
+const struct ggml_tensor * ggml_kvct_get_plans(const struct ggml_tensor * node) {
+    const int is = ggml_kvct_plans_src(node);
+    return is >= 0 ? node->src[is] : NULL;
+}
+
 bool ggml_kvcomp_dev_supports_op(struct ggml_backend_device * dev, const struct ggml_tensor * op) {
-    if (!ggml_flash_attn_ext_has_exact(op)) {
+    const bool kvct = (op->op == GGML_OP_SET_ROWS && ggml_kvcomp_is_kvct(op->type)) ||
+                      (op->op == GGML_OP_FLASH_ATTN_EXT && ggml_kvcomp_is_kvct(op->src[1]->type));
+    if (!ggml_flash_attn_ext_has_exact(op) && !kvct) {
         return true;
     }
     return ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU && strcmp(ggml_backend_dev_name(dev), "CPU") == 0;

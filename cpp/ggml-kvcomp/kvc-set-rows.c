@@ -16,16 +16,64 @@ int ggml_kvc_cpu_n_tasks(const struct ggml_tensor * node, int n_threads, int n_t
         return n_tasks;
     }
     switch (node->type) {
-        GGML_KVCOMP_TYPE_CASES:
+        GGML_KVCOMP_ALL_TYPE_CASES:
             return n_threads;
         default:
             return n_tasks;
     }
 }
 
+// kvct rows: every head's row of every written row is one unit, coded with its head's plan.
+static void kvc_set_rows_kvct(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * src0  = dst->src[0];
+    const struct ggml_tensor * src1  = dst->src[1];
+    const struct ggml_tensor * plans = ggml_kvct_get_plans(dst);
+    GGML_ASSERT(plans && "kvcomp: a kvct cache is written with its plans (llama_kvcomp_set_k_stats)");
+
+    GGML_TENSOR_BINARY_OP_LOCALS
+
+    const kvc_t_plan * plan = (const kvc_t_plan *) plans->data;
+    const int64_t n_head = ggml_nbytes(plans) / sizeof(kvc_t_plan);
+    const int64_t d      = plan[0].d;
+    GGML_ASSERT(n_head * sizeof(kvc_t_plan) == ggml_nbytes(plans) && n_head * d == ne00 && ne00 == ne0);
+    GGML_ASSERT(kvc_t_type_row_bits(dst->type, d) == plan[0].row_bits);
+    const size_t rs = ggml_row_size(dst->type, d);
+
+    const int64_t nr    = ne01 * ne02 * ne03;
+    const int64_t n_all = nr * n_head;
+    const int64_t u0 = n_all * params->ith / params->nth;
+    const int64_t u1 = n_all * (params->ith + 1) / params->nth;
+    float buf[KVC_T_MAX_D];
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t r   = u / n_head;
+        const int64_t h   = u % n_head;
+        const int64_t i01 = r % ne01;
+        const int64_t i02 = (r / ne01) % ne02;
+        const int64_t i03 = r / (ne01 * ne02);
+        const char * pi = (const char *) src1->data + i01 * nb10 + (i02 % ne11) * nb11 + (i03 % ne12) * nb12;
+        const int64_t i1 = src1->type == GGML_TYPE_I64 ? *(const int64_t *) pi : *(const int32_t *) pi;
+        GGML_ASSERT(i1 >= 0 && i1 < ne1);
+
+        const char * x = (const char *) src0->data + i01 * nb01 + i02 * nb02 + i03 * nb03;
+        uint8_t    * y = (uint8_t *) dst->data + i1 * nb1 + i02 * nb2 + i03 * nb3 + h * rs;
+        if (src0->type == GGML_TYPE_F32) {
+            quantize_row_kvct_ref(&plan[h], (const float *) x + h * d, y);
+        } else {
+            ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) x + h * d, buf, d);
+            quantize_row_kvct_ref(&plan[h], buf, y);
+        }
+    }
+}
+
 bool ggml_kvc_cpu_set_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * src0 = dst->src[0];
     const struct ggml_tensor * src1 = dst->src[1];
+    if (ggml_kvcomp_is_kvct(dst->type)) {
+        GGML_ASSERT((src0->type == GGML_TYPE_F32 || src0->type == GGML_TYPE_F16) &&
+                    (src1->type == GGML_TYPE_I64 || src1->type == GGML_TYPE_I32));
+        kvc_set_rows_kvct(params, dst);
+        return true;
+    }
     switch (dst->type) {
         GGML_KVCOMP_TYPE_CASES:
             break;

@@ -29,6 +29,10 @@ static inline const float * kvc_t_levels(int b) {
     return kvc_lm_levels + ((1 << b) - 2);
 }
 
+const float * kvc_t_levels_of(int bits) {
+    return bits >= 1 && bits <= KVC_T_MAX_BITS ? kvc_t_levels(bits) : NULL;
+}
+
 // Whether d is a head size a plan holds and its pairs name every channel exactly once.
 static bool kvc_t_pairs_valid(const int16_t (*pair)[2], int32_t d) {
     if (d < 2 || d > KVC_T_MAX_D || d % 2 != 0) {
@@ -270,4 +274,28 @@ void dequantize_row_kvct(const kvc_t_plan * plan, const uint8_t * GGML_RESTRICT 
         v[j] = b > 0 && s > 0.0f ? kvc_t_levels(b)[code] * plan->sigma[j] * s : 0.0f;
     }
     kvc_t_inverse(plan, v, y);
+}
+
+int32_t kvc_t_type_row_bits(enum ggml_type type, int64_t d) {
+    if (!ggml_kvcomp_is_kvct(type) || d <= 0 || d % QK_KVCT != 0 || d > KVC_T_MAX_D) {
+        return 0;
+    }
+    return (int32_t) (8 * ggml_row_size(type, d));
+}
+
+bool kvc_t_validate_rows(enum ggml_type type, int64_t d, const void * data, size_t nb) {
+    if (kvc_t_type_row_bits(type, d) == 0) {
+        return false;
+    }
+    const size_t    rs = ggml_row_size(type, d);
+    const uint8_t * p  = (const uint8_t *) data;
+    if (nb % rs != 0) {
+        return false;
+    }
+    for (size_t i = 0; i < nb; i += rs) {
+        if (p[i] > KVC_E8_MAX) {
+            return false;
+        }
+    }
+    return true;
 }

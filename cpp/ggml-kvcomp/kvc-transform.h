@@ -13,6 +13,7 @@
 
 #include "ggml.h"
 
+#include <assert.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -23,6 +24,26 @@ extern "C" {
 
 #define KVC_T_MAX_D    256 // the largest head size a plan holds
 #define KVC_T_MAX_BITS 8   // bits of one coefficient at most
+
+// The cache types GGML_TYPE_KVCT4 (4.5 bits per value) and GGML_TYPE_KVCT3 (3.5) count their
+// rows in blocks of QK_KVCT values: a row of d values (a multiple of QK_KVCT) is d / QK_KVCT
+// blocks' bytes, coded as one row with its plan's row_bits = bpe * d (the block is only the
+// unit of size, not of coding).
+#define QK_KVCT 64
+
+typedef struct {
+    uint8_t qs[QK_KVCT * 9 / 16];
+} block_kvct4;
+static_assert(sizeof(block_kvct4) == QK_KVCT * 9 / 16, "wrong kvct4 block size/padding");
+
+typedef struct {
+    uint8_t qs[QK_KVCT * 7 / 16];
+} block_kvct3;
+static_assert(sizeof(block_kvct3) == QK_KVCT * 7 / 16, "wrong kvct3 block size/padding");
+
+// The plan's row_bits for a row of d values of a kvct type (0 for another type, or a d that
+// is not a multiple of QK_KVCT or is larger than KVC_T_MAX_D).
+GGML_API int32_t kvc_t_type_row_bits(enum ggml_type type, int64_t d);
 
 typedef struct {
     int32_t d;                          // coefficients per row (the head size, even)
@@ -81,6 +102,15 @@ GGML_API void kvc_t_inverse(const kvc_t_plan * plan, const float * GGML_RESTRICT
 // value is taken as the plan's mean of its channel (it adds nothing to the row).
 GGML_API void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y);
 GGML_API void dequantize_row_kvct(const kvc_t_plan * plan, const uint8_t * GGML_RESTRICT x, float * GGML_RESTRICT y);
+
+// Whether nb bytes of kvct rows of d values hold only what quantize_row_kvct_ref writes: every
+// head's row scale code at most KVC_E8_MAX (any code bits are levels). A state file with
+// other bytes is refused.
+GGML_API bool kvc_t_validate_rows(enum ggml_type type, int64_t d, const void * data, size_t nb);
+
+// The 2^b Lloyd-Max levels of b bits (1..8), in units of a coefficient's sigma times the row
+// scale: what dequantize_row_kvct multiplies, for kernels that decode rows their own way.
+GGML_API const float * kvc_t_levels_of(int bits);
 
 // The Lloyd-Max distortion of a unit Gaussian at b bits (1 at 0 bits), from the shared table.
 GGML_API float kvc_t_lloyd_max_dist(int bits);

@@ -199,6 +199,29 @@ int32_t llama_kvcomp_configure(llama_context * ctx, const llama_kvcomp_params * 
     return 0;
 }
 
+int32_t llama_kvcomp_set_k_stats(llama_context * ctx, const char * path) {
+    llama_kvcomp_set_last_error("");
+    if (!ctx || !path) {
+        return kvcomp_fail(-1, "llama_kvcomp_set_k_stats: no context or no path");
+    }
+    const auto caches = llama_kvcomp_caches(ctx);
+    if (caches.empty()) {
+        return kvcomp_fail(-2, "kvcomp needs a transformer KV cache (this model's memory is recurrent or hybrid)");
+    }
+    std::string err;
+    const auto stats = llama_kvcomp_kstats::load(path, err);
+    if (!stats) {
+        return kvcomp_fail(-1, "K statistics: " + err);
+    }
+    for (llama_kv_cache * kv : caches) {
+        const int32_t rc = llama_kvcomp_buffer::set_k_stats(*kv, stats, llama_n_ubatch(ctx), llama_n_seq_max(ctx));
+        if (rc != 0) {
+            return rc;
+        }
+    }
+    return 0;
+}
+
 int32_t llama_kvcomp_get_config(llama_context * ctx, llama_kvcomp_params * params) {
     const auto caches = llama_kvcomp_caches(ctx);
     if (!ctx || !params) {

@@ -20,7 +20,7 @@
 // "KVCB": the buffer's part of a state, after upstream's cells
 static constexpr uint32_t KVCOMP_STATE_MAGIC   = 0x4243564b;
 // 4: the tracker part holds a K offset per stream (3: one for all, 2: channel scales too)
-static constexpr uint32_t KVCOMP_STATE_VERSION = 4;
+static constexpr uint32_t KVCOMP_STATE_VERSION = 5;
 
 llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max,
                                          std::shared_ptr<llama_kvcomp_tracker> tracker)
@@ -223,6 +223,19 @@ uint32_t llama_kvcomp_buffer::n_main(uint32_t n_kv, uint32_t kv_size, int32_t il
 
 // ||x - deq(q(x))|| / ||x|| over the token's K and V rows in every layer: x is the slot's
 // F16 row, deq(q(x)) the main cache's row.
+void llama_kvcomp_buffer::main_row_f32(const ggml_tensor * main, int32_t ib, bool is_k, uint64_t row, std::vector<uint8_t> & raw,
+                                       float * y) const {
+    raw.resize(main->nb[1]);
+    ggml_backend_tensor_get(main, raw.data(), row * main->nb[1], main->nb[1]);
+    if (is_k && plans) {
+        plans->row_to_f32(ib, raw.data(), y);
+    } else if (main->type == GGML_TYPE_F32) {
+        std::memcpy(y, raw.data(), main->ne[0] * sizeof(float));
+    } else {
+        ggml_get_type_traits(main->type)->to_float(raw.data(), y, main->ne[0]);
+    }
+}
+
 float llama_kvcomp_buffer::measure(const llama_kv_cache & kv, uint32_t strm, uint32_t s) const {
     const uint64_t c = (uint64_t) strm * kv.get_size() + maps[strm].slot_cell[s];
     const uint64_t r = (uint64_t) strm * n_rows() + s;
@@ -235,18 +248,12 @@ float llama_kvcomp_buffer::measure(const llama_kv_cache & kv, uint32_t strm, uin
             const ggml_tensor * main  = is_k ? kv.layers[ib].k : kv.layers[ib].v;
             const ggml_tensor * slots = is_k ? k_buf[ib] : v_buf[ib];
             const int64_t n = main->ne[0];
-            raw.resize(main->nb[1]);
             exact.resize(n);
             x.resize(n);
             y.resize(n);
-            ggml_backend_tensor_get(main, raw.data(), c * main->nb[1], main->nb[1]);
+            main_row_f32(main, (int32_t) ib, is_k, c, raw, y.data());
             ggml_backend_tensor_get(slots, exact.data(), r * slots->nb[1], slots->nb[1]);
             ggml_fp16_to_fp32_row(exact.data(), x.data(), n);
-            if (main->type == GGML_TYPE_F32) {
-                std::memcpy(y.data(), raw.data(), n * sizeof(float));
-            } else {
-                ggml_get_type_traits(main->type)->to_float(raw.data(), y.data(), n);
-            }
             for (int64_t i = 0; i < n; ++i) {
                 err += (double) (x[i] - y[i]) * (x[i] - y[i]);
                 ref += (double) x[i] * x[i];
@@ -482,14 +489,24 @@ ggml_tensor * llama_kvcomp_buffer::cpy(ggml_context * ctx0, ggml_tensor * cache,
         (is_k ? k_cur : v_cur)[ib] = cur;
     }
 
-    return ggml_set_rows(ctx0, cache, cur, idx_main);
+    ggml_tensor * out = ggml_set_rows(ctx0, cache, cur, idx_main);
+    if (is_k && plans) {
+        ggml_kvct_set_plans(out, plans->tensor(ib));
+    }
+    return out;
 }
 
 ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_view, int32_t il, bool is_k) const {
+    const int32_t ib  = layer_of_il[il];
+    if (is_k && plans) {
+        // the attention node takes the plans from here (llama_kvcomp_add_exact finds them by name)
+        ggml_tensor * pv = ggml_view_1d(ctx0, plans->tensor(ib), plans->tensor(ib)->ne[0], 0);
+        ggml_format_name(pv, "kvcomp_plans_k-%d", il);
+        ggml_format_name(main_view, "kvcomp_main_k-%d", il);
+    }
     if (!buffered) {
         return main_view;
     }
-    const int32_t ib  = layer_of_il[il];
     const int64_t ne0 = main_view->ne[0];
     const int64_t ne1 = main_view->ne[1];
     const int64_t ns  = main_view->ne[3];
@@ -542,6 +559,13 @@ void llama_kvcomp_add_exact(ggml_context * ctx, ggml_tensor * fa) {
     }
     int il_k = -1;
     int il_v = -1;
+    if (ggml_kvcomp_is_kvct(k->type) && sscanf(k->src[0]->name, "kvcomp_main_k-%d", &il_k) == 1) {
+        char name[GGML_MAX_NAME];
+        snprintf(name, sizeof(name), "kvcomp_plans_k-%d", il_k);
+        if (ggml_tensor * pv = ggml_get_tensor(ctx, name)) {
+            ggml_kvct_set_plans(fa, pv);
+        }
+    }
     if (sscanf(k->src[0]->name, "kvcomp_main_k-%d", &il_k) != 1 || sscanf(v->src[0]->name, "kvcomp_main_v-%d", &il_v) != 1 ||
         il_k != il_v) {
         return;
@@ -765,7 +789,7 @@ void llama_kvcomp_buffer::copy_stream(uint32_t ssrc, uint32_t sdst) {
 
 void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cache & kv, llama_seq_id seq_id) const {
     // an exact cache's state is upstream's, readable with or without these settings
-    if (!buffered && !tracker) {
+    if (!buffered && !tracker && !plans) {
         return;
     }
     const uint32_t header[] = {
@@ -773,6 +797,9 @@ void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cach
         (uint32_t) v_buf[0]->ne[0], n_slots(), (uint32_t) maps.size(),
     };
     io.write(header, sizeof(header));
+    // which plans coded the kvct K rows (0: not a kvct cache)
+    const uint64_t plans_id = plans ? plans->fingerprint() : 0;
+    io.write(&plans_id, sizeof(plans_id));
 
     // the cells upstream saves: those of the sequence (all, for -1), less the ones a sliding
     // window already hides
@@ -848,7 +875,7 @@ static void check_rows_finite(ggml_tensor * t, const std::vector<uint64_t> & row
 
 void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, llama_seq_id seq_id,
                                      const llama_kv_cache::slot_info_vec_t & sinfos) {
-    if (!buffered && !tracker) {
+    if (!buffered && !tracker && !plans) {
         return;
     }
     // the restored cells hold other tokens now
@@ -883,6 +910,13 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
         if (header[6] != sinfos.size()) {
             throw std::runtime_error("residual buffer section has " + std::to_string(header[6]) + " streams, the state " +
                                      std::to_string(sinfos.size()));
+        }
+        uint64_t plans_id = 0;
+        io.read(&plans_id, sizeof(plans_id));
+        if (plans_id != (plans ? plans->fingerprint() : 0)) {
+            throw std::runtime_error(plans_id == 0 ? "the state's K rows were not coded with kvct plans" :
+                                     "the state's kvct K rows were coded with other plans: load it with the K statistics it was "
+                                     "saved with (--kv-comp-kstats)");
         }
 
         // the K offsets the restored rows were stored with, per stream
@@ -1016,22 +1050,27 @@ llama_kvcomp_stats llama_kvcomp_buffer::get_stats() const {
 int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max) {
     // a tracker stays with the cache once it has set offsets: the cached keys carry them
     std::shared_ptr<llama_kvcomp_tracker> tracker = kv.kvcomp ? kv.kvcomp->tracker : nullptr;
+    std::shared_ptr<llama_kvcomp_plans>   plans   = kv.kvcomp ? kv.kvcomp->plans : nullptr;
     // An unquantized cache already holds every row exactly: exact copies or a K offset would
     // compensate nothing and only change how attention rounds, so they stay off there and the
     // logits are upstream's bit for bit (docs/design-residual-buffer.md, "Exact caches").
-    const bool wants_tracker = params.tracker && ggml_is_quantized(kv.layers[0].k->type);
+    // A kvct K row is centred and scaled by its plan, which a run-time offset would only move
+    // away from the statistics the plan was fitted to.
+    const ggml_type type_k = kv.layers[0].k->type;
+    const bool wants_tracker = params.tracker && ggml_is_quantized(type_k) && !ggml_kvcomp_is_kvct(type_k);
     if (params.tracker && !wants_tracker) {
-        LLAMA_LOG_INFO("kvcomp: K is %s, stored exactly: the scale tracker stays off\n", ggml_type_name(kv.layers[0].k->type));
+        LLAMA_LOG_INFO("kvcomp: K is %s, %s: the scale tracker stays off\n", ggml_type_name(type_k),
+                       ggml_kvcomp_is_kvct(type_k) ? "coded with fixed plans" : "stored exactly");
     }
     if (wants_slots(params) && !lossy(kv)) {
         LLAMA_LOG_INFO("kvcomp: K/V are %s/%s, stored exactly: the residual buffer stays off\n",
                 ggml_type_name(kv.layers[0].k->type), ggml_type_name(kv.layers[0].v->type));
     }
-    if (!wants_slots(params) && !params.tracker && !tracker) {
+    if (!wants_slots(params) && !params.tracker && !tracker && !plans) {
         kv.kvcomp.reset();
         return 0;
     }
-    if (kv.v_trans && ((wants_slots(params) && lossy(kv)) || wants_tracker || tracker)) {
+    if (kv.v_trans && ((wants_slots(params) && lossy(kv)) || wants_tracker || tracker || plans)) {
         LLAMA_LOG_ERROR("%s: kvcomp needs flash attention (-fa on)\n", __func__);
         llama_kvcomp_set_last_error("kvcomp needs flash attention (-fa on)");
         return -2;
@@ -1048,6 +1087,7 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
             tracker->set_params(params);
         }
         auto next = std::make_shared<llama_kvcomp_buffer>(kv, params, n_ubatch, n_seq_max, tracker);
+        next->plans = plans;
         if (kv.kvcomp) {
             next->adopt_storage(*kv.kvcomp);
             next->monitor = kv.kvcomp->monitor;
@@ -1066,6 +1106,75 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
     return 0;
 }
 
+int32_t llama_kvcomp_buffer::set_k_stats(llama_kv_cache & kv, const std::shared_ptr<llama_kvcomp_kstats> & stats, uint32_t n_ubatch,
+                                         uint32_t n_seq_max) {
+    const ggml_type type_k = kv.layers[0].k->type;
+    if (!ggml_kvcomp_is_kvct(type_k)) {
+        LLAMA_LOG_INFO("kvcomp: K is %s: the K statistics are not used (they serve kvct4 and kvct3 caches)\n", ggml_type_name(type_k));
+        return 0;
+    }
+    const auto fail = [](int32_t rc, const std::string & why) {
+        LLAMA_LOG_ERROR("llama_kvcomp_set_k_stats: %s\n", why.c_str());
+        llama_kvcomp_set_last_error(why);
+        return rc;
+    };
+    if (kv.v_trans) {
+        return fail(-2, std::string("a ") + ggml_type_name(type_k) + " K cache needs flash attention (-fa on)");
+    }
+    for (const auto & l : kv.layers) {
+        if (!l.k->buffer || !ggml_backend_buffer_is_host(l.k->buffer)) {
+            return fail(-2, std::string(ggml_type_name(type_k)) + " K caches run on the CPU backend for now (issue 21): keep the "
+                            "KV cache in host memory (--no-kv-offload, or -ngl 0)");
+        }
+    }
+    for (uint32_t strm = 0; strm < kv.n_stream; ++strm) {
+        if (kv.v_cells[strm].get_used() > 0) {
+            return fail(-2, "the K statistics are set before the cache holds tokens (its rows would be read with other plans)");
+        }
+    }
+    std::shared_ptr<llama_kvcomp_plans> plans;
+    try {
+        std::vector<llama_kvcomp_plans::layer_desc> descs;
+        for (const auto & l : kv.layers) {
+            descs.push_back({ l.k, (int32_t) l.il, (int64_t) kv.hparams.n_embd_head_k(l.il) });
+        }
+        plans = std::make_shared<llama_kvcomp_plans>(descs, *stats);
+    } catch (const std::runtime_error & e) {
+        return fail(-1, std::string("K statistics '") + stats->path + "': " + e.what());
+    }
+    try {
+        if (!kv.kvcomp) {
+            kv.kvcomp = std::make_shared<llama_kvcomp_buffer>(kv, llama_kvcomp_default_params(), n_ubatch, n_seq_max, nullptr);
+        }
+    } catch (const std::exception & e) {
+        return fail(-3, e.what());
+    }
+    kv.kvcomp->plans = plans;
+    size_t k_bytes = 0;
+    for (const auto & l : kv.layers) {
+        k_bytes += ggml_nbytes(l.k);
+    }
+    LLAMA_LOG_INFO("kvcomp: %s K plans of %zu layers from '%s' (%llu tokens of %s): %.2f MiB beside %.2f MiB of K rows\n",
+                   ggml_type_name(type_k), kv.layers.size(), stats->path.c_str(), (unsigned long long) stats->n_tokens,
+                   stats->arch.c_str(), plans->nbytes() / (1024.0 * 1024.0), k_bytes / (1024.0 * 1024.0));
+    return 0;
+}
+
+bool llama_kvcomp_buffer::ready(const llama_kv_cache & kv) {
+    const ggml_type type_k = kv.layers[0].k->type;
+    const ggml_type type_v = kv.layers[0].v ? kv.layers[0].v->type : GGML_TYPE_F16;
+    if (!ggml_kvcomp_is_kvct(type_v) && (!ggml_kvcomp_is_kvct(type_k) || (kv.kvcomp && kv.kvcomp->plans))) {
+        return true;
+    }
+    const std::string why = ggml_kvcomp_is_kvct(type_v) ?
+        std::string("V cannot be ") + ggml_type_name(type_v) + ": the kvct types code K rows only (use kvc4 or kvc3 for V)" :
+        std::string("a ") + ggml_type_name(type_k) +
+            " K cache needs its plans: load K statistics first (--kv-comp-kstats FILE, llama_kvcomp_set_k_stats; "
+            "`kvcomp calibrate` writes them)";
+    LLAMA_LOG_ERROR("kvcomp: %s\n", why.c_str());
+    llama_kvcomp_set_last_error(why);
+    return false;
+}
 
 ggml_tensor * llama_kvcomp_buffer::scale_q(ggml_context * ctx0, ggml_tensor * q, int32_t il) const {
     // K is stored as k - c, and softmax cancels q·c: Q stays as it is (a per-head basis of the

@@ -11,6 +11,7 @@
 // decoding see the same keys.
 
 #include "kvcomp-monitor.h"
+#include "kvcomp-plans.h"
 #include "kvcomp-tracker.h"
 #include "llama-kvcomp.h"
 #include "llama-kv-cache.h"
@@ -46,6 +47,22 @@ struct llama_kvcomp_buffer {
 
     // the context's monitor (kvcomp-monitor.h), told of every ubatch of this cache
     std::shared_ptr<llama_kvcomp_monitor> monitor;
+
+    // the plans of a kvct K cache (kvcomp-plans.h), kept by every later configuration
+    std::shared_ptr<llama_kvcomp_plans> plans;
+
+    // llama_kvcomp_set_k_stats on one cache: plans for a kvct K cache from the statistics (a
+    // cache of another K type is left alone); same return codes
+    static int32_t set_k_stats(llama_kv_cache & kv, const std::shared_ptr<llama_kvcomp_kstats> & stats, uint32_t n_ubatch,
+                               uint32_t n_seq_max);
+
+    // Whether kv can take a ubatch: a kvct K cache needs its plans (reason logged when not).
+    static bool ready(const llama_kv_cache & kv);
+
+    // Whether a RoPE shift of the cached K rows is possible (llama_memory_can_shift): not for
+    // kvct rows, coded after RoPE with plans, which a shift would have to decode, turn and
+    // code again (not built; docs/formats.md)
+    bool can_shift() const { return !plans; }
 
     // one row per layer of this cache and KV head, for the monitor
     void head_snapshots(const llama_kv_cache & kv, std::vector<llama_kvcomp_head_snapshot> & out) const;
@@ -161,6 +178,8 @@ private:
     void adopt_storage(llama_kvcomp_buffer & prev);
     void free_slot(stream_map & m, uint32_t s);
     void set_slot(stream_map & m, uint32_t s, uint32_t cell, llama_pos pos, slot_kind kind);
+    // row `row` of cache layer ib's K or V to F32 (kvct K through its plans)
+    void main_row_f32(const ggml_tensor * main, int32_t ib, bool is_k, uint64_t row, std::vector<uint8_t> & raw, float * y) const;
     float measure(const llama_kv_cache & kv, uint32_t strm, uint32_t s) const;
     void pin_or_free(stream_map & m, uint32_t s);
     void apply_stream(const llama_kv_cache & kv, uint32_t strm, const std::vector<uint32_t> & cells_ub,

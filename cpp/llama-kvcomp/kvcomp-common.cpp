@@ -1,4 +1,5 @@
 #include "kvcomp-common.h"
+#include "ggml-kvcomp.h"
 
 #include "arg.h"
 #include "common.h"
@@ -84,6 +85,12 @@ static void kvcomp_set_mode(common_params & params, const std::string & name) {
 }
 
 // The monitor's flags (not part of a mode), applied with the knobs.
+// --kv-comp-kstats FILE (empty: none)
+static std::string & kvcomp_kstats_path() {
+    static std::string path;
+    return path;
+}
+
 static llama_kvcomp_monitor_params & kvcomp_monitor_params() {
     static llama_kvcomp_monitor_params params = llama_kvcomp_monitor_default_params();
     return params;
@@ -182,6 +189,18 @@ std::vector<common_arg> common_kvcomp_args() {
             kvcomp_set_mode(params, value);
         }
     ).set_env("LLAMA_ARG_KV_COMP"));
+    args.push_back(common_arg(
+        {"--kv-comp-kstats"}, "FILE",
+        "kvcomp: K statistics of the model (GGUF, written by `kvcomp calibrate`), from which a kvct4/kvct3 K cache "
+        "(-ctk) fits its per-layer, per-head plans; required by those types, ignored by the others",
+        [](common_params & params, const std::string & value) {
+            GGML_UNUSED(params);
+            if (value.empty()) {
+                throw std::invalid_argument("--kv-comp-kstats: empty path");
+            }
+            kvcomp_kstats_path() = value;
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_KSTATS"));
     args.push_back(common_arg(
         {"--kv-comp-window"}, "W",
         "kvcomp residual buffer: the newest W positions stay exact (F16) for every query (default: 0, off; "
@@ -342,6 +361,23 @@ static void kvcomp_log_config(const llama_kvcomp_params & p, ggml_type type_k, g
 bool common_kvcomp_check(const common_params & params) {
     const llama_kvcomp_params & p = params.kvcomp;
     const bool preset = p.mode != LLAMA_KVCOMP_MODE_OFF && p.mode != LLAMA_KVCOMP_MODE_CUSTOM;
+    if (ggml_kvcomp_is_kvct(params.cache_type_v)) {
+        LOG_ERR("kvcomp: -ctv %s: the kvct types code K rows only (V stays on the kvc types, docs/kv-rows.md): use -ctv kvc4 "
+                "or kvc3\n", ggml_type_name(params.cache_type_v));
+        return false;
+    }
+    if (ggml_kvcomp_is_kvct(params.cache_type_k)) {
+        if (kvcomp_kstats_path().empty()) {
+            LOG_ERR("kvcomp: -ctk %s needs the model's K statistics: --kv-comp-kstats FILE (`kvcomp calibrate -m MODEL` "
+                    "writes it)\n", ggml_type_name(params.cache_type_k));
+            return false;
+        }
+        if (params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
+            LOG_ERR("kvcomp: -ctk %s needs flash attention, and -fa off was given: use -fa on\n",
+                    ggml_type_name(params.cache_type_k));
+            return false;
+        }
+    }
     if (params.flash_attn_type != LLAMA_FLASH_ATTN_TYPE_DISABLED || !ggml_is_quantized(params.cache_type_v)) {
         return true;
     }
@@ -361,6 +397,11 @@ bool common_kvcomp_check(const common_params & params) {
 
 bool common_kvcomp_apply(llama_context * ctx, const common_params & params) {
     llama_kvcomp_params p = params.kvcomp;
+    if (!kvcomp_kstats_path().empty() && llama_kvcomp_set_k_stats(ctx, kvcomp_kstats_path().c_str()) != 0) {
+        const char * why = llama_kvcomp_last_error();
+        LOG_ERR("kvcomp: the K statistics could not be applied: %s\n", why ? why : "see the reason above");
+        return false;
+    }
     if (p.mode == LLAMA_KVCOMP_MODE_CUSTOM && p.window == 0 && p.sinks == 0 && p.pin_threshold == 0.0f && p.tracker == 0) {
         return true;
     }

@@ -408,7 +408,10 @@ void llama_kvcomp_buffer::check_restored_rows(llama_io_read_i & io, llama_kv_cac
         if (!trans) {
             buf.resize(t->nb[1] * n);
             ggml_backend_tensor_get(t, buf.data(), strm * t->nb[2] + c0 * t->nb[1], buf.size());
-            if (ggml_validate_row_data(t->type, buf.data(), buf.size())) {
+            const bool ok = ggml_kvcomp_is_kvct(t->type) ?
+                kvc_t_validate_rows(t->type, kv.hparams.n_embd_head_k(il), buf.data(), buf.size()) :
+                ggml_validate_row_data(t->type, buf.data(), buf.size());
+            if (ok) {
                 return;
             }
         } else {

@@ -64,6 +64,16 @@ LLAMA_API int32_t llama_kvcomp_mode_from_name(const char * name);
 // failure.
 LLAMA_API int32_t llama_kvcomp_configure(struct llama_context * ctx, const struct llama_kvcomp_params * params);
 
+// Loads K statistics (a GGUF file written by llama-kvcomp-calibrate / `kvcomp calibrate`)
+// and fits from them the plans of every kvct4/kvct3 K cache of the context (docs/formats.md,
+// "kvct"); a cache of another K type ignores them. A kvct cache needs its plans before its
+// first token: until then llama_decode fails with the reason in llama_kvcomp_last_error.
+// Call after the context is created, while the cache is empty. Returns 0, or -1 for a file
+// that is missing, damaged or made for another model (reason logged), -2 for a cache that
+// cannot hold kvct rows (no flash attention, KV cache off the host, tokens already cached),
+// -3 for an allocation failure.
+LLAMA_API int32_t llama_kvcomp_set_k_stats(struct llama_context * ctx, const char * path);
+
 // The knobs in effect (as configured; every knob off when nothing is attached). Returns 0,
 // or -1 without a context.
 LLAMA_API int32_t llama_kvcomp_get_config(struct llama_context * ctx, struct llama_kvcomp_params * params);

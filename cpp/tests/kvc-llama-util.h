@@ -65,6 +65,19 @@ inline std::vector<float> decode(llama_context * ctx, const std::vector<llama_to
     return out;
 }
 
+// The largest logit difference over the largest logit of b (INFINITY when either is missing).
+inline double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
+    if (a.empty() || a.size() != b.size()) {
+        return INFINITY;
+    }
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        num = std::max(num, (double) std::fabs(a[i] - b[i]));
+        den = std::max(den, (double) std::fabs(b[i]));
+    }
+    return num / den;
+}
+
 // KL(softmax(ref) || softmax(a)) of one token's logits.
 inline double kl_row(const float * ref, const float * a, size_t n) {
     const double mr = *std::max_element(ref, ref + n);

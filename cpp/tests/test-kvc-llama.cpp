@@ -54,18 +54,6 @@ std::vector<float> decode_fresh(llama_context * ctx, const std::vector<llama_tok
     return out;
 }
 
-double rel_diff(const std::vector<float> & a, const std::vector<float> & b) {
-    if (a.empty() || a.size() != b.size()) {
-        return INFINITY;
-    }
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < a.size(); ++i) {
-        num = std::max(num, (double) std::fabs(a[i] - b[i]));
-        den = std::max(den, (double) std::fabs(b[i]));
-    }
-    return num / den;
-}
-
 double kl_div(const std::vector<float> & ref, const std::vector<float> & a) {
     if (ref.empty() || ref.size() != a.size()) {
         return INFINITY;

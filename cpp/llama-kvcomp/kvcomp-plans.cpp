@@ -1,0 +1,170 @@
+#include "kvcomp-plans.h"
+
+#include "gguf.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+std::shared_ptr<llama_kvcomp_kstats> llama_kvcomp_kstats::load(const std::string & path, std::string & err) {
+    ggml_context * tctx = nullptr;
+    gguf_init_params ip = { /*no_alloc =*/ false, /*ctx =*/ &tctx };
+    gguf_context * g = gguf_init_from_file(path.c_str(), ip);
+    if (!g) {
+        err = "cannot read '" + path + "' as a GGUF file (missing or damaged)";
+        return nullptr;
+    }
+    auto out = std::make_shared<llama_kvcomp_kstats>();
+    out->path = path;
+    auto key = [&](const char * name, gguf_type type) -> int64_t {
+        const int64_t id = gguf_find_key(g, name);
+        return id >= 0 && gguf_get_kv_type(g, id) == type ? id : -1;
+    };
+    const int64_t k_ver  = key(LLAMA_KVCOMP_KSTATS_KEY_VER, GGUF_TYPE_UINT32);
+    const int64_t k_arch = key(LLAMA_KVCOMP_KSTATS_KEY_ARCH, GGUF_TYPE_STRING);
+    const int64_t k_ntok = key(LLAMA_KVCOMP_KSTATS_KEY_NTOK, GGUF_TYPE_UINT64);
+    const int64_t k_neox = key(LLAMA_KVCOMP_KSTATS_KEY_NEOX, GGUF_TYPE_BOOL);
+    if (k_ver < 0 || k_arch < 0 || k_ntok < 0 || k_neox < 0) {
+        err = "'" + path + "' is not a kvcomp K statistics file (llama-kvcomp-calibrate writes one)";
+    } else if (gguf_get_val_u32(g, k_ver) != LLAMA_KVCOMP_KSTATS_VERSION) {
+        err = "'" + path + "' has statistics version " + std::to_string(gguf_get_val_u32(g, k_ver)) + ", this build reads " +
+              std::to_string(LLAMA_KVCOMP_KSTATS_VERSION);
+    } else {
+        out->arch     = gguf_get_val_str(g, k_arch);
+        out->n_tokens = gguf_get_val_u64(g, k_ntok);
+        const bool neox = gguf_get_val_bool(g, k_neox);
+        for (int il = 0; err.empty(); ++il) {
+            char name[GGML_MAX_NAME];
+            snprintf(name, sizeof(name), LLAMA_KVCOMP_KSTATS_TENSOR, il);
+            const ggml_tensor * t = ggml_get_tensor(tctx, name);
+            if (!t) {
+                break;
+            }
+            const int64_t d = 2 * t->ne[1];
+            if (t->type != GGML_TYPE_F32 || t->ne[0] != LLAMA_KVCOMP_KSTATS_PER_PAIR || d > KVC_T_MAX_D || t->ne[2] < 1 ||
+                t->ne[3] != 1) {
+                err = "'" + path + "': tensor " + name + " has the wrong type or shape";
+                break;
+            }
+            layer l;
+            l.d = (int32_t) d;
+            const float * x = (const float *) t->data;
+            for (int64_t h = 0; h < t->ne[2]; ++h) {
+                head hd;
+                hd.pair.resize(d);
+                hd.mean.resize(d);
+                hd.k2.resize(3 * d / 2);
+                hd.w.resize(3 * d / 2);
+                for (int64_t p = 0; p < d / 2; ++p) {
+                    const float * s = x + (h * (d / 2) + p) * LLAMA_KVCOMP_KSTATS_PER_PAIR;
+                    const int a = (int) (neox ? p : 2 * p);
+                    const int b = (int) (neox ? p + d / 2 : 2 * p + 1);
+                    hd.pair[2 * p] = (int16_t) a;
+                    hd.pair[2 * p + 1] = (int16_t) b;
+                    hd.mean[a] = s[0];
+                    hd.mean[b] = s[1];
+                    std::memcpy(&hd.k2[3 * p], s + 2, 3 * sizeof(float));
+                    std::memcpy(&hd.w[3 * p], s + 5, 3 * sizeof(float));
+                }
+                l.heads.push_back(std::move(hd));
+            }
+            out->layers.resize(il + 1);
+            out->layers[il] = std::move(l);
+        }
+        if (err.empty() && out->layers.empty()) {
+            err = "'" + path + "' holds no layer's statistics";
+        }
+    }
+    gguf_free(g);
+    ggml_free(tctx);
+    return err.empty() ? out : nullptr;
+}
+
+llama_kvcomp_plans::llama_kvcomp_plans(const std::vector<layer_desc> & layers, const llama_kvcomp_kstats & stats) : source(stats.path) {
+    const size_t n_layer = layers.size();
+    for (size_t ib = 0; ib < n_layer; ++ib) {
+        const auto &  l      = layers[ib];
+        const int32_t il     = l.il;
+        const int64_t d      = l.d;
+        const int64_t n_head = l.k->ne[0] / d;
+        const int32_t bits   = kvc_t_type_row_bits(l.k->type, d);
+        const std::string where = "layer " + std::to_string(il) + ": ";
+        if (bits == 0) {
+            throw std::runtime_error(where + ggml_type_name(l.k->type) + " K rows of " + std::to_string(d) +
+                                     " values: a kvct row holds a multiple of " + std::to_string(QK_KVCT) + " up to " +
+                                     std::to_string(KVC_T_MAX_D));
+        }
+        if (il >= (int32_t) stats.layers.size() || stats.layers[il].heads.empty()) {
+            throw std::runtime_error(where + "'" + stats.path + "' has no statistics for it (made for another model?)");
+        }
+        const auto & sl = stats.layers[il];
+        if (sl.d != d || (int64_t) sl.heads.size() != n_head) {
+            throw std::runtime_error(where + "the statistics are for " + std::to_string(sl.heads.size()) + " KV heads of " +
+                                     std::to_string(sl.d) + " values, the model has " + std::to_string(n_head) + " of " +
+                                     std::to_string(d) + " (made for another model?)");
+        }
+        std::vector<kvc_t_plan> lp(n_head);
+        for (int64_t h = 0; h < n_head; ++h) {
+            const auto & hd = sl.heads[h];
+            const kvc_t_stats st = { (int32_t) d, (const int16_t (*)[2]) hd.pair.data(), hd.mean.data(),
+                                     (const float (*)[3]) hd.k2.data(), (const float (*)[3]) hd.w.data() };
+            if (!kvc_t_plan_fit(&lp[h], &st, KVC_T_BASIS_POOLED, bits)) {
+                throw std::runtime_error(where + "KV head " + std::to_string(h) + ": '" + stats.path +
+                                         "' has statistics no plan can be fitted to (non-finite or negative values)");
+            }
+        }
+        plans.push_back(std::move(lp));
+        row_size.push_back(ggml_row_size(l.k->type, d));
+    }
+
+    ggml_init_params ip = { n_layer * ggml_tensor_overhead(), nullptr, true };
+    ctx = ggml_init(ip);
+    if (!ctx) {
+        throw std::runtime_error("kvcomp: failed to create the plans' context");
+    }
+    for (size_t ib = 0; ib < n_layer; ++ib) {
+        tensors.push_back(ggml_new_tensor_1d(ctx, GGML_TYPE_I8, (int64_t) (plans[ib].size() * sizeof(kvc_t_plan))));
+        ggml_format_name(tensors.back(), "kvcomp_plans_l%d", layers[ib].il);
+    }
+    // the kernels that read them run on the CPU
+    buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
+    if (!buf) {
+        ggml_free(ctx);
+        throw std::runtime_error("kvcomp: failed to allocate the plans");
+    }
+    uint64_t hv = 1469598103934665603ull; // FNV-1a over every plan's bytes
+    for (size_t ib = 0; ib < n_layer; ++ib) {
+        ggml_backend_tensor_set(tensors[ib], plans[ib].data(), 0, ggml_nbytes(tensors[ib]));
+        const uint8_t * p = (const uint8_t *) plans[ib].data();
+        for (size_t i = 0; i < plans[ib].size() * sizeof(kvc_t_plan); ++i) {
+            hv = (hv ^ p[i]) * 1099511628211ull;
+        }
+    }
+    hash = hv;
+}
+
+llama_kvcomp_plans::~llama_kvcomp_plans() {
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
+size_t llama_kvcomp_plans::nbytes() const {
+    return buf ? ggml_backend_buffer_get_size(buf) : 0;
+}
+
+void llama_kvcomp_plans::row_to_f32(int32_t ib, const uint8_t * x, float * y) const {
+    for (const kvc_t_plan & p : plans[ib]) {
+        dequantize_row_kvct(&p, x, y);
+        x += row_size[ib];
+        y += p.d;
+    }
+}
+
+void llama_kvcomp_plans::row_from_f32(int32_t ib, const float * x, uint8_t * y) const {
+    for (const kvc_t_plan & p : plans[ib]) {
+        quantize_row_kvct_ref(&p, x, y);
+        x += p.d;
+        y += row_size[ib];
+    }
+}

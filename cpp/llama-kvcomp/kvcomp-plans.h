@@ -1,0 +1,90 @@
+#pragma once
+
+// The plans of a kvct K cache (docs/formats.md, "kvct"; docs/kv-rows.md): per layer and KV
+// head, fitted from K statistics a calibration run measured on the model
+// (llama-kvcomp-calibrate, `kvcomp calibrate`) at the bits of the cache's K type. They are
+// fixed for the context's lifetime: a function of the model and the statistics file only,
+// never of the requests served, so sequences stay isolated and a batched prompt equals
+// token-by-token decoding as for any fixed cache type.
+
+#include "ggml-kvcomp.h"
+#include "kvc-transform.h"
+
+#include "ggml.h"
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+// A statistics file (GGUF): per model layer and KV head, per RoPE pair of K's channels after
+// RoPE, the mean of each channel, the centred second moments and the queries' weight.
+struct llama_kvcomp_kstats {
+    struct head {
+        std::vector<int16_t> pair; // [d/2][2]
+        std::vector<float>   mean; // [d]
+        std::vector<float>   k2;   // [d/2][3]
+        std::vector<float>   w;    // [d/2][3]
+    };
+    struct layer {
+        int32_t d = 0;
+        std::vector<head> heads; // empty: the file has no statistics of this layer
+    };
+    std::string        path;
+    std::string        arch;
+    uint64_t           n_tokens = 0;
+    std::vector<layer> layers; // by model layer
+
+    // nullptr and the reason in err when the file cannot be read or is damaged
+    static std::shared_ptr<llama_kvcomp_kstats> load(const std::string & path, std::string & err);
+};
+
+struct llama_kvcomp_plans {
+    // a cache layer: its K tensor ([n_embd_k_gqa, cells, streams], a kvct type), model layer
+    // and head size
+    struct layer_desc {
+        const ggml_tensor * k;
+        int32_t il;
+        int64_t d;
+    };
+
+    // Fits the plans of every cache layer and puts them in a host buffer; throws
+    // std::runtime_error with the reason when the statistics do not fit the cache (another
+    // model's shape, missing layers, statistics a plan refuses).
+    llama_kvcomp_plans(const std::vector<layer_desc> & layers, const llama_kvcomp_kstats & stats);
+    ~llama_kvcomp_plans();
+
+    // cache layer ib: its plans as a tensor ([n_head_kv * sizeof(kvc_t_plan)] I8) and on the host
+    ggml_tensor * tensor(int32_t ib) const { return tensors[ib]; }
+    const kvc_t_plan * host(int32_t ib) const { return plans[ib].data(); }
+    int64_t n_head(int32_t ib) const { return (int64_t) plans[ib].size(); }
+
+    // One row of the K cache (every KV head, the layout of kv's K rows) to F32 and back.
+    void row_to_f32(int32_t ib, const uint8_t * x, float * y) const;
+    void row_from_f32(int32_t ib, const float * x, uint8_t * y) const;
+
+    // A hash of every plan's bytes: a state saved under other plans is told apart.
+    uint64_t fingerprint() const { return hash; }
+    size_t   nbytes() const;
+    std::string source; // the statistics file
+
+private:
+    std::vector<std::vector<kvc_t_plan>> plans; // [cache layer][KV head]
+    std::vector<ggml_tensor *> tensors;
+    std::vector<size_t> row_size; // bytes of one head's row, per cache layer
+    uint64_t hash = 0;
+    ggml_context *        ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+};
+
+// The GGUF keys and tensor names of a statistics file, shared with the tool that writes it.
+#define LLAMA_KVCOMP_KSTATS_VERSION    1
+#define LLAMA_KVCOMP_KSTATS_KEY_VER    "kvcomp.kstats.version"
+#define LLAMA_KVCOMP_KSTATS_KEY_ARCH   "kvcomp.kstats.architecture"
+#define LLAMA_KVCOMP_KSTATS_KEY_NTOK   "kvcomp.kstats.n_tokens"
+#define LLAMA_KVCOMP_KSTATS_KEY_NEOX   "kvcomp.kstats.rope_neox"
+// per model layer il: "kvcomp.kstats.<il>", F32 [8, d/2, n_head_kv]: per pair
+// mean_a, mean_b, E[(ka-ma)^2], E[(ka-ma)(kb-mb)], E[(kb-mb)^2], w_aa, w_ab, w_bb
+#define LLAMA_KVCOMP_KSTATS_TENSOR     "kvcomp.kstats.%d"
+#define LLAMA_KVCOMP_KSTATS_PER_PAIR   8

@@ -1,0 +1,258 @@
+// A kvct K cache in a real model (docs/formats.md, "kvct"): its plans come from a K
+// statistics file, which this test writes itself for the model's shape (each pair's energy
+// falling across the head, so the plans give pairs different bits). Checked:
+//  - without statistics, and with a V of a kvct type, no ubatch is taken (llama_decode fails
+//    with the reason) and nothing crashes; a missing, damaged or other-model statistics file
+//    is refused with the reason, and the context stays usable after loading a good one;
+//  - batched = sequential: one ubatch, ubatches of 32 (the same prompt kernel: logits within
+//    2e-3; with the buffer, mean KL to f16 within 2x the batched one's) and token by token
+//    (the decode kernel: mean KL to f16 within 2x the batched one's);
+//  - state save -> load -> continue is bit-exact; a state saved under other plans, a
+//    truncated and a corrupted state are refused and the context stays usable;
+//  - a copied sequence continues like its source, a sequence in a split cache decodes as it
+//    does alone (isolation), and a context shift is reported as unavailable;
+//  - the same with the residual buffer (window 32, 4 sinks) in front of the kvct cache.
+
+#include "kvc-test-util.h"
+#include "kvc-llama-util.h"
+#include "kvcomp-plans.h"
+#include "llama-kvcomp.h"
+
+#include "gguf.h"
+
+#include <cstring>
+#include <string>
+
+using namespace kvc_test;
+
+namespace {
+
+// A statistics file for the model's layers; `scale` multiplies every energy (another file,
+// other plans), `n_head_kv_extra` makes it one of another shape.
+bool write_stats(const llama_model * model, const std::string & path, float scale, int n_head_kv_extra = 0) {
+    const int n_layer = llama_model_n_layer(model);
+    const int n_kv    = llama_model_n_head_kv(model) + n_head_kv_extra;
+    const int d       = llama_model_n_embd(model) / llama_model_n_head(model);
+    ggml_init_params ip = { (size_t) n_layer * (ggml_tensor_overhead() + (size_t) n_kv * d / 2 * 8 * sizeof(float)) + 4096, nullptr, false };
+    ggml_context * ctx = ggml_init(ip);
+    gguf_context * g = gguf_init_empty();
+    gguf_set_val_u32(g, LLAMA_KVCOMP_KSTATS_KEY_VER, LLAMA_KVCOMP_KSTATS_VERSION);
+    gguf_set_val_str(g, LLAMA_KVCOMP_KSTATS_KEY_ARCH, "test");
+    gguf_set_val_u64(g, LLAMA_KVCOMP_KSTATS_KEY_NTOK, 1000);
+    gguf_set_val_bool(g, LLAMA_KVCOMP_KSTATS_KEY_NEOX, false);
+    for (int il = 0; il < n_layer; ++il) {
+        ggml_tensor * t = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, LLAMA_KVCOMP_KSTATS_PER_PAIR, d / 2, n_kv);
+        ggml_format_name(t, LLAMA_KVCOMP_KSTATS_TENSOR, il);
+        float * x = (float *) t->data;
+        for (int h = 0; h < n_kv; ++h) {
+            for (int p = 0; p < d / 2; ++p) {
+                float * s = x + ((size_t) h * (d / 2) + p) * LLAMA_KVCOMP_KSTATS_PER_PAIR;
+                const float e = scale * (4.0f * std::exp(-6.0f * (float) p / (float) (d / 2)) + 0.1f);
+                const float row[LLAMA_KVCOMP_KSTATS_PER_PAIR] = { 0.0f, 0.0f, e, 0.0f, e, 1.0f, 0.0f, 1.0f };
+                memcpy(s, row, sizeof(row));
+            }
+        }
+        gguf_add_tensor(g, t);
+    }
+    const bool ok = gguf_write_to_file(g, path.c_str(), false);
+    gguf_free(g);
+    ggml_free(ctx);
+    return ok;
+}
+
+llama_context * make_kvct(llama_model * model, const char * stats, uint32_t n_seq = 1, bool unified = true,
+                          const llama_kvcomp_params * kp = nullptr) {
+    llama_context * ctx = make_ctx(model, GGML_TYPE_KVCT4, n_seq, unified, GGML_TYPE_KVC4);
+    if (ctx && stats && llama_kvcomp_set_k_stats(ctx, stats) != 0) {
+        llama_free(ctx);
+        return nullptr;
+    }
+    if (ctx && kp && llama_kvcomp_configure(ctx, kp) != 0) {
+        llama_free(ctx);
+        return nullptr;
+    }
+    return ctx;
+}
+
+double kl_mean_rows(const std::vector<float> & ref, const std::vector<float> & a, size_t n_vocab) {
+    if (ref.size() != a.size() || a.empty()) {
+        return INFINITY;
+    }
+    double s = 0.0;
+    for (size_t r = 0; r < a.size() / n_vocab; ++r) {
+        s += kl_row(&ref[r * n_vocab], &a[r * n_vocab], n_vocab);
+    }
+    return s / (double) (a.size() / n_vocab);
+}
+
+bool contains(const char * s, const char * what) {
+    return s && strstr(s, what) != nullptr;
+}
+
+void test_refusals(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
+    {
+        ctx_ptr c{ make_kvct(model, nullptr) };
+        const auto out = decode(c.ctx, toks, 0, 8, 8);
+        rep.check(c.ctx && out.empty() && contains(llama_kvcomp_last_error(), "statistics"),
+                  "kvct4 without K statistics: no ubatch is taken (%s)", llama_kvcomp_last_error());
+        rep.check(c.ctx && llama_kvcomp_set_k_stats(c.ctx, "no-such-file.gguf") == -1, "a missing statistics file is refused");
+        FILE * f = fopen("damaged.gguf", "wb");
+        fputs("GGUF this is not a gguf file", f);
+        fclose(f);
+        rep.check(llama_kvcomp_set_k_stats(c.ctx, "damaged.gguf") == -1, "a damaged statistics file is refused");
+        rep.check(write_stats(model, "other-shape.gguf", 1.0f, 1) && llama_kvcomp_set_k_stats(c.ctx, "other-shape.gguf") == -1 &&
+                  contains(llama_kvcomp_last_error(), "another model"),
+                  "statistics of another model's shape are refused (%s)", llama_kvcomp_last_error());
+        rep.check(llama_kvcomp_set_k_stats(c.ctx, "stats-a.gguf") == 0 && !decode(c.ctx, toks, 0, 8, 8).empty(),
+                  "after the refusals, good statistics load and the context decodes");
+        rep.check(llama_kvcomp_set_k_stats(c.ctx, "stats-a.gguf") == -2, "statistics cannot change under cached rows");
+        rep.check(!llama_memory_can_shift(llama_get_memory(c.ctx)), "a kvct cache reports no context shift");
+    }
+    {
+        ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4, 1, true, GGML_TYPE_KVCT4) };
+        const auto out = decode(c.ctx, toks, 0, 8, 8);
+        rep.check(c.ctx && out.empty() && contains(llama_kvcomp_last_error(), "K rows only"),
+                  "a kvct V cache takes no ubatch (%s)", llama_kvcomp_last_error());
+    }
+    {
+        ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
+        rep.check(llama_kvcomp_set_k_stats(c.ctx, "stats-a.gguf") == 0 && !decode(c.ctx, toks, 0, 8, 8).empty(),
+                  "a kvc4 cache ignores K statistics");
+    }
+}
+
+void test_cache(report & rep, llama_model * model, const std::vector<llama_token> & toks, const llama_kvcomp_params * kp,
+                const char * name) {
+    const int n_prompt = 96, n_rows = 16;
+    const size_t n_vocab = (size_t) llama_vocab_n_tokens(llama_model_get_vocab(model));
+    std::vector<float> f16;
+    {
+        ctx_ptr c{ make_ctx(model, GGML_TYPE_F16) };
+        f16 = decode(c.ctx, toks, 0, n_prompt, n_prompt, 0, n_rows);
+    }
+    std::vector<float> whole, by32, by1;
+    {
+        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        whole = decode(c.ctx, toks, 0, n_prompt, n_prompt, 0, n_rows);
+    }
+    {
+        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        by32 = decode(c.ctx, toks, 0, n_prompt, 32, 0, n_rows);
+    }
+    {
+        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        by1 = decode(c.ctx, toks, 0, n_prompt, 1, 0, n_rows);
+    }
+    const double kl_whole = kl_mean_rows(f16, whole, n_vocab);
+    const double kl_by1   = kl_mean_rows(f16, by1, n_vocab);
+    const double kl_by32  = kl_mean_rows(f16, by32, n_vocab);
+    if (!kp) {
+        rep.check(!whole.empty() && rel_diff(by32, whole) <= 2e-3, "%s ubatch 32 vs one ubatch: max rel logit diff %.2e <= 2e-3",
+                  name, rel_diff(by32, whole));
+    } else {
+        // the buffer's exact rows come from the ubatch or from slots written by an earlier one,
+        // which round the same keys differently: a fresh draw of quantization noise, judged as
+        // test-kvc-llama judges the buffer's splits
+        rep.check(kl_by32 <= 2.0 * kl_whole + 1e-4, "%s ubatch 32 vs one ubatch: mean KL to f16 %.2e <= 2 x %.2e + 1e-4",
+                  name, kl_by32, kl_whole);
+    }
+    rep.check(kl_by1 <= 2.0 * kl_whole + 1e-4, "%s token by token vs one ubatch: mean KL to f16 %.2e <= 2 x %.2e + 1e-4",
+              name, kl_by1, kl_whole);
+
+    // state save -> load -> continue
+    std::vector<uint8_t> state;
+    std::vector<float> cont_a, cont_b;
+    {
+        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        decode(c.ctx, toks, 0, 64, 64);
+        state.resize(llama_state_get_size(c.ctx));
+        state.resize(llama_state_get_data(c.ctx, state.data(), state.size()));
+        cont_a = decode(c.ctx, toks, 64, 72, 1);
+    }
+    {
+        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        const size_t read = llama_state_set_data(c.ctx, state.data(), state.size());
+        cont_b = decode(c.ctx, toks, 64, 72, 1);
+        rep.check(read == state.size() && !cont_a.empty() && cont_a == cont_b, "%s state save -> load -> continue is bit-exact", name);
+    }
+    {
+        ctx_ptr c{ make_kvct(model, "stats-b.gguf", 1, true, kp) };
+        const size_t read = llama_state_set_data(c.ctx, state.data(), state.size());
+        const auto after = decode(c.ctx, toks, 0, 8, 8);
+        rep.check(read == 0 && !after.empty(), "%s state saved under other plans is refused and the context stays usable", name);
+    }
+    {
+        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        const size_t read = llama_state_set_data(c.ctx, state.data(), state.size() / 2);
+        const auto after = decode(c.ctx, toks, 0, 8, 8);
+        rep.check(read == 0 && !after.empty(), "%s truncated state is refused and the context stays usable", name);
+    }
+
+    // seq_cp, and isolation in a split cache
+    {
+        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 2, true, kp) };
+        decode(c.ctx, toks, 0, 64, 64, 0);
+        llama_memory_seq_cp(llama_get_memory(c.ctx), 0, 1, -1, -1);
+        const auto l1 = decode(c.ctx, toks, 64, 65, 1, 1);
+        const auto l0 = decode(c.ctx, toks, 64, 65, 1, 0);
+        rep.check(!l0.empty() && rel_diff(l1, l0) <= 1e-5, "%s seq_cp: copy continues like its source (%.2e)", name, rel_diff(l1, l0));
+    }
+    {
+        std::vector<float> alone, beside;
+        {
+            ctx_ptr c{ make_kvct(model, "stats-a.gguf", 2, false, kp) };
+            alone = decode(c.ctx, toks, 100, 164, 64, 1);
+        }
+        {
+            ctx_ptr c{ make_kvct(model, "stats-a.gguf", 2, false, kp) };
+            decode(c.ctx, toks, 0, 64, 64, 0);
+            beside = decode(c.ctx, toks, 100, 164, 64, 1);
+        }
+        rep.check(!alone.empty() && alone == beside, "%s a sequence decodes beside another as it does alone", name);
+    }
+}
+
+} // namespace
+
+int main(int argc, char ** argv) {
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s MODEL.gguf\n", argv[0]);
+        return 2;
+    }
+    llama_log_set([](ggml_log_level level, const char * text, void *) {
+        if (level == GGML_LOG_LEVEL_ERROR) {
+            fputs(text, stderr);
+        }
+    }, nullptr);
+    llama_backend_init();
+    llama_model_params mp = llama_model_default_params();
+    llama_model * model = llama_model_load_from_file(argv[1], mp);
+    if (!model) {
+        fprintf(stderr, "failed to load %s\n", argv[1]);
+        return 2;
+    }
+    std::string text;
+    for (int i = 0; text.size() < 2000; ++i) {
+        text += "Each layer keeps the keys of every token, and line " + std::to_string(i) +
+                " of this text names its own number so that the tokens differ from line to line. ";
+    }
+    std::vector<llama_token> toks(1024);
+    const int n = llama_tokenize(llama_model_get_vocab(model), text.c_str(), (int32_t) text.size(), toks.data(),
+                                 (int32_t) toks.size(), true, false);
+    toks.resize(std::max(n, 0));
+
+    report rep;
+    rep.check(n >= 170 && write_stats(model, "stats-a.gguf", 1.0f) && write_stats(model, "stats-b.gguf", 2.0f),
+              "prompt of %d tokens and two statistics files", n);
+    if (n >= 170) {
+        test_refusals(rep, model, toks);
+        test_cache(rep, model, toks, nullptr, "kvct4/kvc4");
+        llama_kvcomp_params kp = llama_kvcomp_default_params();
+        kp.window = 32;
+        kp.sinks  = 4;
+        test_cache(rep, model, toks, &kp, "kvct4/kvc4 + buffer (window 32, 4 sinks)");
+    }
+    llama_model_free(model);
+    llama_backend_free();
+    return rep.finish("test-kvc-plans");
+}
