@@ -15,10 +15,13 @@
 //  - prompt (several query tokens): a work item is (stream, KV head, block of query tokens);
 //    its rows (tokens x query heads, at most 64) meet 64-key tiles dequantized to F32 and
 //    multiplied as upstream's tiled F16 kernel does, so a kvc cache costs about what F16 does.
-// A kvct K cache (ggml_kvct_set_plans) is read through its KV head's plan: each row decoded
-// to F32 once for all the heads of its group.
+// A kvct K cache (ggml_kvct_set_plans) is read through its KV head's plan (kvc-kvct-cpu.h):
+// each row decoded to F32 once for all the heads of its group, in both kernels. (Scoring
+// from the codes with AVX2 gathers, the query permuted and scaled by the plan once, measured
+// no faster on this machine's AMD EPYC.)
 
 #include "kvc-cpu.h"
+#include "kvc-kvct-cpu.h"
 #include "kvc-simd.h"
 #include "ggml-kvcomp.h"
 #include "ggml-cpu.h"
@@ -156,68 +159,6 @@ void gemm_f32(float * C, const float * A, const float * B, int M, int K, int N, 
     }
 }
 
-// A kvct row's decoding by its plan, set up once per node and KV head: each coded
-// coefficient's bit offset, width and levels. It computes the products dequantize_row_kvct
-// does (level x sigma x row scale, then the plan's inverse transform), so both give the same
-// floats; where the reference walks the row bit by bit, this reads each code with one load.
-struct kvct_decoder {
-    const kvc_t_plan * plan = nullptr;
-    int32_t  n = 0;          // coded coefficients
-    bool     identity = false; // no rotation and no mean: the coefficients are the row
-    size_t   row_bytes = 0;
-    int16_t  j[KVC_T_MAX_D];
-    uint16_t off[KVC_T_MAX_D];
-    uint32_t mask[KVC_T_MAX_D];
-    const float * lv[KVC_T_MAX_D];
-
-    void init(const kvc_t_plan * p) {
-        plan = p;
-        row_bytes = kvc_t_row_size(p->row_bits);
-        identity = true;
-        for (int32_t q = 0; q < p->d / 2; ++q) {
-            identity = identity && p->rot[q][0] == 1.0f && p->rot[q][1] == 0.0f;
-        }
-        for (int32_t c = 0; c < p->d; ++c) {
-            identity = identity && p->mean[c] == 0.0f;
-        }
-        n = 0;
-        uint32_t pos = 8;
-        for (int32_t c = 0; c < p->d; ++c) {
-            const int b = p->bits[c];
-            if (b == 0) {
-                continue;
-            }
-            j[n]    = (int16_t) c;
-            off[n]  = (uint16_t) pos;
-            mask[n] = (1u << b) - 1u;
-            lv[n]   = kvc_t_levels_of(b);
-            pos += (uint32_t) b;
-            ++n;
-        }
-    }
-
-    void decode(const uint8_t * x, float * y) const {
-        uint8_t buf[(8 + KVC_T_MAX_BITS * KVC_T_MAX_D) / 8 + 8];
-        memcpy(buf, x, row_bytes);
-        memset(buf + row_bytes, 0, 8);
-        const float s = kvc_e8_to_fp32(buf[0]);
-        float v[KVC_T_MAX_D];
-        float * out = identity ? y : v;
-        memset(out, 0, plan->d * sizeof(float));
-        if (s > 0.0f) {
-            for (int32_t i = 0; i < n; ++i) {
-                uint64_t w;
-                memcpy(&w, buf + (off[i] >> 3), sizeof(w));
-                const uint32_t code = (uint32_t) (w >> (off[i] & 7)) & mask[i];
-                out[j[i]] = lv[i][code] * plan->sigma[j[i]] * s;
-            }
-        }
-        if (!identity) {
-            kvc_t_inverse(plan, v, y);
-        }
-    }
-};
-
 // One K or V source of the node: rows of n keys, indexed [key, KV head, stream].
 struct fa_src {
     const char * data = nullptr;
@@ -225,7 +166,7 @@ struct fa_src {
     ggml_type    type = GGML_TYPE_COUNT;
     int64_t      n = 0;
     int64_t      r3 = 1; // query streams per source stream
-    const kvct_decoder * plans = nullptr; // per KV head, for kvct rows
+    const kvc_t_decoder * plans = nullptr; // per KV head, for kvct rows
     bool ref = false;                    // kvct rows through the format's reference
 
     const char * row(int64_t j, int64_t hk, int64_t s) const {
@@ -237,7 +178,7 @@ struct fa_src {
         if (plans && ref) {
             dequantize_row_kvct(plans[hk].plan, (const uint8_t *) row(j, hk, s), y);
         } else if (plans) {
-            plans[hk].decode((const uint8_t *) row(j, hk, s), y);
+            kvc_t_decoder_row(&plans[hk], (const uint8_t *) row(j, hk, s), y);
         } else {
             to_f32(row(j, hk, s), y, d);
         }
@@ -264,7 +205,7 @@ struct fa_node {
     const ggml_tensor * sinks;
     ggml_tensor *       dst;
     fa_src   k[KVC_FA_N_SRC], v[KVC_FA_N_SRC]; // main cells, exact slots, exact rows of the ubatch (F32 read as F16)
-    std::vector<kvct_decoder> k_plans;        // per KV head of a kvct main K
+    std::vector<kvc_t_decoder> k_plans;       // per KV head of a kvct main K
     int64_t  DK, DV, n_q, n_head, n_head_kv, n_stream, G, n_keys;
     float    scale, softcap, max_bias, m0, m1;
     uint32_t n_head_log2;
@@ -792,7 +733,7 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
     if (kvct) {
         a.k_plans.resize(k->ne[2]);
         for (int64_t h = 0; h < k->ne[2]; ++h) {
-            a.k_plans[h].init((const kvc_t_plan *) kp->data + h);
+            kvc_t_decoder_init(&a.k_plans[h], (const kvc_t_plan *) kp->data + h);
         }
         a.k[0].plans = a.k_plans.data();
         a.k[0].ref   = params->use_ref;

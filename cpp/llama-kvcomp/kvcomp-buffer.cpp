@@ -1150,6 +1150,10 @@ int32_t llama_kvcomp_buffer::set_k_stats(llama_kv_cache & kv, const std::shared_
         return fail(-3, e.what());
     }
     kv.kvcomp->plans = plans;
+    // The plans code K's own channels, where RoPE's pairs and their energies are: upstream's
+    // Hadamard rotation of a quantized K (and of Q) would spread them evenly over the head, so
+    // it is off for a kvct cache (the plan takes its place).
+    kv.attn_rot_k = false;
     size_t k_bytes = 0;
     for (const auto & l : kv.layers) {
         k_bytes += ggml_nbytes(l.k);

@@ -178,9 +178,10 @@ std::vector<float> attention_ref(const std::vector<float> & q, const std::vector
     return out;
 }
 
-// FLASH_ATTN_EXT with a kvct K ([d, n_kv, n_head_kv], rows coded per head) and an F16 V
-void test_flash_attn(report & rep, ggml_type type, int d, int n_q, int n_kv, int n_threads) {
-    const int n_head = 6, n_head_kv = 2;
+// FLASH_ATTN_EXT with a kvct K ([d, n_kv, n_head_kv], rows coded per head) and an F16 V; a
+// decoded row serves every query head of its KV head (up to 16 at once, then another group)
+void test_flash_attn(report & rep, ggml_type type, int d, int n_q, int n_kv, int n_threads, int n_head = 6) {
+    const int n_head_kv = 2;
     const float scale = 1.0f / std::sqrt((float) d);
     graph_ctx g(256 * 1024 * 1024);
     const auto plans = make_plans(type, n_head_kv, d);
@@ -236,7 +237,7 @@ void test_flash_attn(report & rep, ggml_type type, int d, int n_q, int n_kv, int
     const auto ref_f32 = attention_ref(q, k, v, mask, d, n_q, n_kv, n_head, n_head_kv, scale);
     const double e_deq = nmse(got.data(), ref_deq.data(), got.size());
     const double e_f32 = nmse(got.data(), ref_f32.data(), got.size());
-    const char * shape = n_q == 1 ? "decode" : "prompt";
+    const char * shape = n_q > 1 ? "prompt" : n_head > 16 ? "decode, 10 heads per KV head" : "decode";
     rep.check(e_ref <= 1e-9, "FLASH_ATTN_EXT %s K=%s d=%3d SIMD vs scalar reference: nmse %.2e <= 1e-9", shape, ggml_type_name(type), d, e_ref);
     rep.check(e_deq <= 1e-8, "FLASH_ATTN_EXT %s K=%s d=%3d vs dequantized K: nmse %.2e <= 1e-8", shape, ggml_type_name(type), d, e_deq);
     rep.check(e_f32 <= fa_bound(type), "FLASH_ATTN_EXT %s K=%s d=%3d vs f32 K: nmse %.2e <= %.1e", shape, ggml_type_name(type), d,
@@ -270,6 +271,7 @@ int main() {
             test_flash_attn(rep, t, d, 7, 150, 2);
             test_flash_attn(rep, t, d, 1, 700, 3);
         }
+        test_flash_attn(rep, t, 128, 1, 300, 2, 20);
     }
     test_validate(rep);
     return rep.finish("test-kvc-kvct");

@@ -1,0 +1,65 @@
+#include "kvc-kvct-cpu.h"
+#include "kvc-common.h"
+
+#include <string.h>
+
+void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan) {
+    dec->plan = plan;
+    dec->row_bytes = kvc_t_row_size(plan->row_bits);
+    bool identity = true;
+    for (int32_t p = 0; p < plan->d / 2; ++p) {
+        identity = identity && plan->rot[p][0] == 1.0f && plan->rot[p][1] == 0.0f;
+    }
+    for (int32_t c = 0; c < plan->d; ++c) {
+        identity = identity && plan->mean[c] == 0.0f;
+    }
+    dec->identity = identity;
+    int32_t n = 0;
+    int32_t pos = 8;
+    for (int32_t c = 0; c < plan->d; ++c) {
+        const int b = plan->bits[c];
+        if (b == 0) {
+            continue;
+        }
+        dec->j[n]     = c;
+        dec->boff[n]  = pos / 8;
+        dec->shift[n] = pos % 8;
+        dec->mask[n]  = (1 << b) - 1;
+        dec->lvl[n]   = (1 << b) - 2;
+        pos += b;
+        ++n;
+    }
+    dec->n = n;
+}
+
+// the row, with room after it for the 4-byte loads of its last codes
+static float kvc_t_padded_row(const kvc_t_decoder * dec, const uint8_t * x, uint8_t * buf) {
+    memcpy(buf, x, dec->row_bytes);
+    memset(buf + dec->row_bytes, 0, 8);
+    return kvc_e8_to_fp32(buf[0]);
+}
+
+static inline uint32_t kvc_t_code(const kvc_t_decoder * dec, const uint8_t * buf, int32_t i) {
+    uint32_t w;
+    memcpy(&w, buf + dec->boff[i], sizeof(w));
+    return (w >> dec->shift[i]) & (uint32_t) dec->mask[i];
+}
+
+void kvc_t_decoder_row(const kvc_t_decoder * dec, const uint8_t * x, float * y) {
+    const kvc_t_plan * plan = dec->plan;
+    const float * levels = kvc_t_levels_of(1);
+    uint8_t buf[(8 + KVC_T_MAX_BITS * KVC_T_MAX_D) / 8 + 8];
+    const float s = kvc_t_padded_row(dec, x, buf);
+    float v[KVC_T_MAX_D];
+    float * out = dec->identity ? y : v;
+    memset(out, 0, plan->d * sizeof(float));
+    if (s > 0.0f) {
+        for (int32_t i = 0; i < dec->n; ++i) {
+            const int32_t c = dec->j[i];
+            out[c] = levels[dec->lvl[i] + (int32_t) kvc_t_code(dec, buf, i)] * plan->sigma[c] * s;
+        }
+    }
+    if (!dec->identity) {
+        kvc_t_inverse(plan, v, y);
+    }
+}

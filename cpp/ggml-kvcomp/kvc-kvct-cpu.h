@@ -1,0 +1,36 @@
+#pragma once
+
+// Reading kvct rows on the CPU (the attention kernels of kvc-fattn.cpp): a plan's decoder,
+// set up once per node and KV head, that finds each coded coefficient's bits with one load
+// instead of walking the row bit by bit as the reference does. Internal to the CPU backend.
+
+#include "kvc-transform.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    const kvc_t_plan * plan;
+    int32_t n;         // coded coefficients (bits > 0), in the row's order
+    bool    identity;  // no rotation and no mean: the coefficients are the row's values
+    size_t  row_bytes;
+    int32_t j[KVC_T_MAX_D];     // the coefficient's channel
+    int32_t boff[KVC_T_MAX_D];  // byte of its first bit
+    int32_t shift[KVC_T_MAX_D]; // its first bit in that byte
+    int32_t mask[KVC_T_MAX_D];  // 2^bits - 1
+    int32_t lvl[KVC_T_MAX_D];   // its levels in the table of kvc_t_levels_of(1)
+} kvc_t_decoder;
+
+void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan);
+
+// The row's values: the floats dequantize_row_kvct gives (the same products in the same order).
+void kvc_t_decoder_row(const kvc_t_decoder * dec, const uint8_t * x, float * y);
+
+#ifdef __cplusplus
+}
+#endif
