@@ -79,6 +79,7 @@ class ModePreset:
     pin_threshold: float
     pin_budget: float
     tracker: bool
+    type_k_stats: str = ""  # K when the model's K statistics are loaded ("" for a running context)
 
 
 @cache
@@ -93,6 +94,12 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     llama.llama_kvcomp_mode_preset.argtypes = [
         ctypes.c_int32, ctypes.POINTER(LlamaKvcompParams), ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
     llama.llama_kvcomp_mode_preset.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_set_k_stats(struct llama_context * ctx, const char * path);
+    llama.llama_kvcomp_set_k_stats.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    llama.llama_kvcomp_set_k_stats.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_mode_type_k_stats(int32_t mode);
+    llama.llama_kvcomp_mode_type_k_stats.argtypes = [ctypes.c_int32]
+    llama.llama_kvcomp_mode_type_k_stats.restype = ctypes.c_int32
     # const char * ggml_type_name(enum ggml_type type);
     base.ggml_type_name.argtypes = [ctypes.c_int]
     base.ggml_type_name.restype = ctypes.c_char_p
@@ -195,4 +202,5 @@ def mode_preset(mode: ModeName) -> ModePreset:
     return ModePreset(
         mode=mode, type_k=type_name(tk.value), type_v=type_name(tv.value),
         window=p.window, sinks=p.sinks, merge_interval=p.merge_interval, pin_threshold=round(p.pin_threshold, 6),
-        pin_budget=round(p.pin_budget, 6), tracker=bool(p.tracker))
+        pin_budget=round(p.pin_budget, 6), tracker=bool(p.tracker),
+        type_k_stats=type_name(lib().llama_kvcomp_mode_type_k_stats(m)))

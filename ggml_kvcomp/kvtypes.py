@@ -34,6 +34,7 @@ KNOBS: dict[str, tuple[str, str]] = {
     "b": ("pin_budget", "--kv-comp-pin-budget"),
     "t": ("tracker", "--kv-comp-tracker"),
     "m": ("monitor", "--kv-comp-monitor"),
+    "k": ("kstats", ""),  # 1: the model's K statistics loaded, a mode's K its type for them (no flag of its own)
 }
 
 
@@ -51,6 +52,7 @@ class KvConfig:
     tracker: int = 0  # --kv-comp-tracker (1 on)
     mode: ModeName | None = None  # --kv-comp; the knobs above then start from its preset
     monitor: int = 1  # --kv-comp-monitor (on with kvcomp; 0 off)
+    kstats: int = 0  # 1: a mode with the model's K statistics (--kv-comp-kstats), K its type for them
 
     def __post_init__(self) -> None:
         for t in (self.type_k, self.type_v):
@@ -64,8 +66,10 @@ class KvConfig:
             raise ValueError("the merge interval must be >= 1")
         if self.pin_threshold < 0 or not 0 <= self.pin_budget <= 100:
             raise ValueError("the pin threshold must be >= 0 and the pin budget in [0, 100]")
-        if self.tracker not in (0, 1) or self.monitor not in (0, 1):
-            raise ValueError("the tracker and the monitor are 1 (on) or 0 (off)")
+        if self.tracker not in (0, 1) or self.monitor not in (0, 1) or self.kstats not in (0, 1):
+            raise ValueError("the tracker, the monitor and the K statistics are 1 (on) or 0 (off)")
+        if self.kstats and self.mode is None:
+            raise ValueError("':k1' goes with a mode (e.g. 'balanced:k1'); a plain pair names its K type (kvct4/kvc3)")
         if self.mode is not None and self.mode not in MODE_NAMES:
             raise ValueError(f"unknown mode {self.mode!r}; known: {', '.join(MODE_NAMES)}")
 
@@ -105,15 +109,17 @@ class KvConfig:
         if self.mode is not None:
             args += ["--kv-comp", self.mode]
         for _, flag, value in self._knobs():
-            args += [flag, f"{value:g}"]
+            if flag:
+                args += [flag, f"{value:g}"]
         return args
 
     @classmethod
     def parse(cls, spec: str) -> KvConfig:
         """'kvc4' means K and V kvc4; 'kvc8/kvc4' means K kvc8, V kvc4; a mode name
         ('balanced') means its preset. Knobs follow as ':<letter><value>': w window, s sinks,
-        n merge interval, p pin threshold, b pin budget (per cent), t tracker (0/1), e.g.
-        'kvc4:w32:s4', 'kvc4:w32:p0.2:b2' or 'balanced:w64'."""
+        n merge interval, p pin threshold, b pin budget (per cent), t tracker (0/1), k K
+        statistics (0/1, with a mode: its K type for them), e.g. 'kvc4:w32:s4', 'kvc4:w32:p0.2:b2',
+        'balanced:w64' or 'balanced:k1'."""
         types, *knobs = spec.split(":")
         k, _, v = types.partition("/")
         base = cls(k, v or k) if k not in MODE_NAMES else cls("f16", "f16", mode=k)._base()  # type: ignore[arg-type]
@@ -128,13 +134,16 @@ class KvConfig:
                 raise ValueError(f"bad knob {knob!r} in {spec!r}: expected one of "
                                  f"{', '.join(letter + '<N>' for letter in KNOBS)}")
             field = KNOBS[letter][0]
-            if field in ("window", "sinks", "merge_interval", "tracker", "monitor"):
+            if field in ("window", "sinks", "merge_interval", "tracker", "monitor", "kstats"):
                 if not text.isdigit():
                     raise ValueError(f"bad knob {knob!r} in {spec!r}: {field} takes a whole number")
                 values[field] = int(text)
             else:
                 values[field] = value
-        return replace(base, **values)  # type: ignore[arg-type]
+        cfg = replace(base, **values)  # type: ignore[arg-type]
+        if cfg.kstats and cfg.mode is not None:
+            cfg = replace(cfg, type_k=mode_preset(cfg.mode).type_k_stats)
+        return cfg
 
 
 # The side-by-side set of the foundation run: upstream references first.

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Config", "StateError", "configure", "get_config", "import_llama_cpp", "load_session_file", "load_state",
-    "new_llama", "open_llama", "set_mode", "snapshot", "snapshot_text", "stats", "type_id", "type_name",
+    "new_llama", "open_llama", "set_k_stats", "set_mode", "snapshot", "snapshot_text", "stats", "type_id", "type_name",
 ]
 
 
@@ -82,14 +82,26 @@ def new_llama(model: str | Path, type_k: str, type_v: str, *, n_ctx: int = 2048,
 
 
 def open_llama(model: str | Path, mode: ModeName = "balanced", *, n_ctx: int = 2048, n_threads: int = 2,
-               **knobs: float) -> llama_cpp.Llama:
+               kstats: str | Path | None = None, **knobs: float) -> llama_cpp.Llama:
     """A llama_cpp.Llama whose KV cache runs `mode`: its K/V types, flash attention, and its
     knobs, of which `knobs` (window, sinks, merge_interval, merge_at, pin_threshold,
-    pin_budget, tracker) override single ones."""
+    pin_budget, tracker) override single ones. With `kstats` (the model's K statistics,
+    `kvcomp calibrate`), K takes the mode's type for them (kvct4 for low-latency and balanced)."""
     preset = mode_preset(mode)
-    llm = new_llama(model, preset.type_k, preset.type_v, n_ctx=n_ctx, n_threads=n_threads)
+    type_k = preset.type_k_stats if kstats is not None else preset.type_k
+    llm = new_llama(model, type_k, preset.type_v, n_ctx=n_ctx, n_threads=n_threads)
+    if kstats is not None:
+        set_k_stats(llm, kstats)
     configure(llm, mode, **knobs)
     return llm
+
+
+def set_k_stats(llm: llama_cpp.Llama, path: str | Path) -> None:
+    """Loads the model's K statistics into an open Llama whose K cache is kvct4/kvct3 (before
+    its first token; another K type ignores them)."""
+    rc = lib().llama_kvcomp_set_k_stats(_ctx(llm), str(path).encode())
+    if rc != 0:
+        raise RuntimeError(f"llama_kvcomp_set_k_stats failed ({rc}): {last_error() or 'see the log'}")
 
 
 def configure(llm: llama_cpp.Llama, mode: ModeName, **knobs: float) -> None:

@@ -66,3 +66,23 @@ def test_statistics_of_another_model_are_refused(bins: Path, model: Path, text: 
 def test_v_cannot_be_kvct() -> None:
     with pytest.raises(ValueError, match="K rows only"):
         KvConfig("kvc4", "kvct4")
+
+
+def test_mode_with_statistics_takes_kvct4() -> None:
+    cfg = KvConfig.parse("balanced:k1")
+    assert (cfg.label, cfg.type_k, cfg.type_v, cfg.needs_kstats) == ("balanced:k1", "kvct4", "kvc3", True)
+    assert KvConfig.parse("high-precision:k1").type_k == "kvc8"
+    with pytest.raises(ValueError, match="goes with a mode"):
+        KvConfig.parse("kvc4:k1")
+
+
+def test_python_api_opens_a_mode_with_statistics(model: Path) -> None:
+    from ggml_kvcomp import llm
+    m = llm.open_llama(model, "balanced", n_ctx=512, kstats=calibrate.ensure_kstats(model))
+    cfg = llm.get_config(m)
+    assert (cfg.mode, cfg.type_k, cfg.type_v) == ("balanced", "kvct4", "kvc3")
+    out = m("The cache holds the keys of every token, and", max_tokens=12, temperature=0.0)
+    assert 0 < out["usage"]["completion_tokens"] <= 12  # type: ignore[index]
+    with pytest.raises(RuntimeError, match="set before the cache holds tokens"):
+        llm.set_k_stats(m, calibrate.ensure_kstats(model))
+    m.close()

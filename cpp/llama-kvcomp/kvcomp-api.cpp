@@ -26,15 +26,16 @@ struct kvcomp_mode_row {
     float        pin_threshold;
     float        pin_budget;
     int32_t      tracker;
+    ggml_type    type_k_stats; // K when the model's K statistics are loaded (--kv-comp-kstats)
 };
 
 // The one mode table. Why each number: README "Modes" and docs/results.md.
 constexpr kvcomp_mode_row KVCOMP_MODES[] = {
-    // name              K               V               W    S   N   pin   budget tracker
-    { "off",            GGML_TYPE_F16,  GGML_TYPE_F16,    0,  0,  1, 0.0f,  1.0f,  0 },
-    { "low-latency",    GGML_TYPE_KVC4, GGML_TYPE_KVC4,   0,  0,  1, 0.0f,  1.0f,  1 },
-    { "balanced",       GGML_TYPE_KVC4, GGML_TYPE_KVC3,  32,  4, 32, 0.0f,  1.0f,  1 },
-    { "high-precision", GGML_TYPE_KVC8, GGML_TYPE_KVC8,  32,  4,  8, 0.0f,  1.0f,  1 },
+    // name              K               V               W    S   N   pin   budget tracker  K with statistics
+    { "off",            GGML_TYPE_F16,  GGML_TYPE_F16,    0,  0,  1, 0.0f,  1.0f,  0,     GGML_TYPE_F16 },
+    { "low-latency",    GGML_TYPE_KVC4, GGML_TYPE_KVC4,   0,  0,  1, 0.0f,  1.0f,  1,     GGML_TYPE_KVCT4 },
+    { "balanced",       GGML_TYPE_KVC4, GGML_TYPE_KVC3,  32,  4, 32, 0.0f,  1.0f,  1,     GGML_TYPE_KVCT4 },
+    { "high-precision", GGML_TYPE_KVC8, GGML_TYPE_KVC8,  32,  4,  8, 0.0f,  1.0f,  1,     GGML_TYPE_KVC8 },
 };
 static_assert(sizeof(KVCOMP_MODES) / sizeof(KVCOMP_MODES[0]) == LLAMA_KVCOMP_MODE_CUSTOM, "one table row per mode");
 
@@ -97,6 +98,10 @@ int32_t llama_kvcomp_mode_preset(int32_t mode, llama_kvcomp_params * params, ggm
         *type_v = row.type_v;
     }
     return 0;
+}
+
+int32_t llama_kvcomp_mode_type_k_stats(int32_t mode) {
+    return mode < 0 || mode >= LLAMA_KVCOMP_MODE_CUSTOM ? -1 : (int32_t) KVCOMP_MODES[mode].type_k_stats;
 }
 
 int32_t llama_kvcomp_type_from_name(const char * name) {

@@ -48,8 +48,22 @@ static void kvcomp_set(common_params & params, const char * flag, kvcomp_knob kn
     kvcomp_knobs_set() |= 1u << knob;
 }
 
+// --kv-comp-kstats FILE (empty: none)
+static std::string & kvcomp_kstats_path() {
+    static std::string path;
+    return path;
+}
+
+// whether the K type in the params is a mode's (not given with -ctk), so K statistics given
+// after the mode may still upgrade it
+static bool & kvcomp_k_from_mode() {
+    static bool from_mode = false;
+    return from_mode;
+}
+
 // --kv-comp MODE: the mode's knobs and cache types, except what was given explicitly. A
-// cache type counts as given when it is not upstream's default (f16).
+// cache type counts as given when it is not upstream's default (f16). With K statistics,
+// K is the mode's type for them (llama_kvcomp_mode_type_k_stats).
 static void kvcomp_set_mode(common_params & params, const std::string & name) {
     const int32_t mode = llama_kvcomp_mode_from_name(name.c_str());
     llama_kvcomp_params preset;
@@ -73,7 +87,8 @@ static void kvcomp_set_mode(common_params & params, const std::string & name) {
         p.ema_deep    = preset.ema_deep;
     }
     if (params.cache_type_k == GGML_TYPE_F16) {
-        params.cache_type_k = type_k;
+        params.cache_type_k = kvcomp_kstats_path().empty() ? type_k : (ggml_type) llama_kvcomp_mode_type_k_stats(mode);
+        kvcomp_k_from_mode() = true;
     }
     if (params.cache_type_v == GGML_TYPE_F16) {
         params.cache_type_v = type_v;
@@ -85,11 +100,6 @@ static void kvcomp_set_mode(common_params & params, const std::string & name) {
 }
 
 // The monitor's flags (not part of a mode), applied with the knobs.
-// --kv-comp-kstats FILE (empty: none)
-static std::string & kvcomp_kstats_path() {
-    static std::string path;
-    return path;
-}
 
 static llama_kvcomp_monitor_params & kvcomp_monitor_params() {
     static llama_kvcomp_monitor_params params = llama_kvcomp_monitor_default_params();
@@ -192,13 +202,18 @@ std::vector<common_arg> common_kvcomp_args() {
     args.push_back(common_arg(
         {"--kv-comp-kstats"}, "FILE",
         "kvcomp: K statistics of the model (GGUF, written by `kvcomp calibrate`), from which a kvct4/kvct3 K cache "
-        "(-ctk) fits its per-layer, per-head plans; required by those types, ignored by the others",
+        "(-ctk) fits its per-layer, per-head plans; required by those types, ignored by the others; with them "
+        "--kv-comp low-latency and balanced store K as kvct4",
         [](common_params & params, const std::string & value) {
-            GGML_UNUSED(params);
             if (value.empty()) {
                 throw std::invalid_argument("--kv-comp-kstats: empty path");
             }
             kvcomp_kstats_path() = value;
+            ggml_type mode_k = GGML_TYPE_COUNT;
+            if (kvcomp_k_from_mode() && llama_kvcomp_mode_preset(params.kvcomp.mode, nullptr, &mode_k, nullptr) == 0 &&
+                params.cache_type_k == mode_k) {
+                params.cache_type_k = (ggml_type) llama_kvcomp_mode_type_k_stats(params.kvcomp.mode);
+            }
         }
     ).set_env("LLAMA_ARG_KV_COMP_KSTATS"));
     args.push_back(common_arg(

@@ -45,6 +45,12 @@ LLAMA_API struct llama_kvcomp_params llama_kvcomp_default_params(void);
 LLAMA_API int32_t llama_kvcomp_mode_preset(int32_t mode, struct llama_kvcomp_params * params,
                                            enum ggml_type * type_k, enum ggml_type * type_v);
 
+// The K cache type a mode takes when the model's K statistics are given (--kv-comp-kstats,
+// llama_kvcomp_set_k_stats): kvct4 for low-latency and balanced, whose K then has about a
+// fifth of kvc4's error at the same bits (docs/results.md); the preset's K for the others.
+// -1 for an unknown mode.
+LLAMA_API int32_t llama_kvcomp_mode_type_k_stats(int32_t mode);
+
 // The ggml_type of a tensor type name ("kvc4", "q8_0", "f16", ...), or -1: for bindings that
 // pass cache types as numbers (llama-cpp-python's type_k/type_v).
 LLAMA_API int32_t llama_kvcomp_type_from_name(const char * name);
