@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ggml_kvcomp import calibrate, models
+from ggml_kvcomp import calibrate, llm, models
 from ggml_kvcomp.cli import main as kvcomp_main
 from ggml_kvcomp.kvtypes import KvConfig
 from ggml_kvcomp.perplexity import RunSettings, run_kld
@@ -77,7 +77,6 @@ def test_mode_with_statistics_takes_kvct4() -> None:
 
 
 def test_python_api_opens_a_mode_with_statistics(model: Path) -> None:
-    from ggml_kvcomp import llm
     m = llm.open_llama(model, "balanced", n_ctx=512, kstats=calibrate.ensure_kstats(model))
     cfg = llm.get_config(m)
     assert (cfg.mode, cfg.type_k, cfg.type_v) == ("balanced", "kvct4", "kvc3")

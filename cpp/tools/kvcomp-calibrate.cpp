@@ -14,6 +14,7 @@
 
 #include "gguf.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -235,7 +236,8 @@ int main(int argc, char ** argv) {
     const llama_model * model = llama_get_model(ctx);
     char arch[128] = "";
     llama_model_meta_val_str(model, "general.architecture", arch, sizeof(arch));
-    const int n_ctx = (int) llama_n_ctx(ctx);
+    // a chunk is one ubatch (the context may have been padded past it)
+    const int n_ctx = (int) std::min<uint32_t>((uint32_t) params.n_ctx, llama_n_ubatch(ctx));
     std::vector<llama_token> toks = common_tokenize(ctx, params.prompt, true);
     n_chunks = std::min<int>(n_chunks, (int) (toks.size() / n_ctx));
     if (n_chunks < 1) {
