@@ -23,6 +23,24 @@ int ggml_kvc_cpu_n_tasks(const struct ggml_tensor * node, int n_threads, int n_t
     }
 }
 
+// Source row r of a SET_ROWS (r over its rows, planes and batches): where it is read (*x) and
+// the destination row it is written to (*y).
+static void kvc_set_rows_at(const struct ggml_tensor * dst, int64_t r, const char ** x, char ** y) {
+    const struct ggml_tensor * src0 = dst->src[0];
+    const struct ggml_tensor * src1 = dst->src[1];
+
+    GGML_TENSOR_BINARY_OP_LOCALS
+
+    const int64_t i01 = r % ne01;
+    const int64_t i02 = (r / ne01) % ne02;
+    const int64_t i03 = r / (ne01 * ne02);
+    const char * pi = (const char *) src1->data + i01 * nb10 + (i02 % ne11) * nb11 + (i03 % ne12) * nb12;
+    const int64_t i1 = src1->type == GGML_TYPE_I64 ? *(const int64_t *) pi : *(const int32_t *) pi;
+    GGML_ASSERT(i1 >= 0 && i1 < ne1);
+    *x = (const char *) src0->data + i01 * nb01 + i02 * nb02 + i03 * nb03;
+    *y = (char *) dst->data + i1 * nb1 + i02 * nb2 + i03 * nb3;
+}
+
 // kvct rows: every head's row of every written row is one unit, coded with its head's plan.
 static void kvc_set_rows_kvct(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * src0  = dst->src[0];
@@ -45,22 +63,15 @@ static void kvc_set_rows_kvct(const struct ggml_compute_params * params, struct 
     const int64_t u1 = n_all * (params->ith + 1) / params->nth;
     float buf[KVC_T_MAX_D];
     for (int64_t u = u0; u < u1; ++u) {
-        const int64_t r   = u / n_head;
-        const int64_t h   = u % n_head;
-        const int64_t i01 = r % ne01;
-        const int64_t i02 = (r / ne01) % ne02;
-        const int64_t i03 = r / (ne01 * ne02);
-        const char * pi = (const char *) src1->data + i01 * nb10 + (i02 % ne11) * nb11 + (i03 % ne12) * nb12;
-        const int64_t i1 = src1->type == GGML_TYPE_I64 ? *(const int64_t *) pi : *(const int32_t *) pi;
-        GGML_ASSERT(i1 >= 0 && i1 < ne1);
-
-        const char * x = (const char *) src0->data + i01 * nb01 + i02 * nb02 + i03 * nb03;
-        uint8_t    * y = (uint8_t *) dst->data + i1 * nb1 + i02 * nb2 + i03 * nb3 + h * rs;
+        const int64_t h = u % n_head;
+        const char * x;
+        char       * y;
+        kvc_set_rows_at(dst, u / n_head, &x, &y);
         if (src0->type == GGML_TYPE_F32) {
-            quantize_row_kvct_ref(&plan[h], (const float *) x + h * d, y);
+            quantize_row_kvct_ref(&plan[h], (const float *) x + h * d, (uint8_t *) y + h * rs);
         } else {
             ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) x + h * d, buf, d);
-            quantize_row_kvct_ref(&plan[h], buf, y);
+            quantize_row_kvct_ref(&plan[h], buf, (uint8_t *) y + h * rs);
         }
     }
 }
@@ -98,18 +109,11 @@ bool ggml_kvc_cpu_set_rows(const struct ggml_compute_params * params, struct ggm
     const int64_t b0 = n_all * params->ith / params->nth;
     const int64_t b1 = n_all * (params->ith + 1) / params->nth;
     for (int64_t b = b0; b < b1;) {
-        const int64_t r   = b / nblk;
-        const int64_t j0  = b % nblk;
-        const int64_t j1  = MIN(nblk, j0 + (b1 - b));
-        const int64_t i01 = r % ne01;
-        const int64_t i02 = (r / ne01) % ne02;
-        const int64_t i03 = r / (ne01 * ne02);
-        const char * pi = (const char *) src1->data + i01 * nb10 + (i02 % ne11) * nb11 + (i03 % ne12) * nb12;
-        const int64_t i1 = src1->type == GGML_TYPE_I64 ? *(const int64_t *) pi : *(const int32_t *) pi;
-        GGML_ASSERT(i1 >= 0 && i1 < ne1);
-
-        const char * x = (const char *) src0->data + i01 * nb01 + i02 * nb02 + i03 * nb03;
-        char       * y = (char *) dst->data + i1 * nb1 + i02 * nb2 + i03 * nb3;
+        const int64_t j0 = b % nblk;
+        const int64_t j1 = MIN(nblk, j0 + (b1 - b));
+        const char * x;
+        char       * y;
+        kvc_set_rows_at(dst, b / nblk, &x, &y);
         if (src0->type == GGML_TYPE_F32) {
             from_float((const float *) x + j0 * QK_KVC, y + j0 * bs, (j1 - j0) * QK_KVC);
         } else {

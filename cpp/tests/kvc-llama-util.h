@@ -7,9 +7,30 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <vector>
 
 namespace kvc_test {
+
+// A test's model from its command line (the one argument), with llama's log cut to errors
+// and the backend up; nullptr after printing why (usage, or a file that does not load).
+inline llama_model * load_test_model(int argc, char ** argv) {
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s MODEL.gguf\n", argv[0]);
+        return nullptr;
+    }
+    llama_log_set([](ggml_log_level level, const char * text, void *) {
+        if (level == GGML_LOG_LEVEL_ERROR) {
+            fputs(text, stderr);
+        }
+    }, nullptr);
+    llama_backend_init();
+    llama_model * model = llama_model_load_from_file(argv[1], llama_model_default_params());
+    if (!model) {
+        fprintf(stderr, "failed to load %s\n", argv[1]);
+    }
+    return model;
+}
 
 struct ctx_ptr {
     llama_context * ctx = nullptr;

@@ -4,9 +4,11 @@
 // a tiny check/report layer whose failures make the test binary exit non-zero.
 
 #include "ggml.h"
+#include "ggml-cpu.h"
 
 #include <cmath>
 #include <cstdarg>
+#include <cstdint>
 #include <cstdio>
 #include <random>
 #include <vector>
@@ -77,6 +79,27 @@ inline std::vector<float> dequantize(ggml_type type, const uint8_t * q, int n, i
 inline std::vector<float> round_trip(ggml_type type, const std::vector<float> & x, int n) {
     return dequantize(type, quantize_ref(type, x, n).data(), n, (int) (x.size() / n));
 }
+
+// A ggml context whose graphs run on the CPU backend's plan (use_ref: its scalar reference
+// kernels where it has them).
+struct graph_ctx {
+    ggml_context * ctx;
+    explicit graph_ctx(size_t mem) {
+        ggml_init_params p = { mem, nullptr, false };
+        ctx = ggml_init(p);
+    }
+    ~graph_ctx() { ggml_free(ctx); }
+
+    void compute(ggml_tensor * out, int n_threads = 2, bool use_ref = false) {
+        ggml_cgraph * gf = ggml_new_graph(ctx);
+        ggml_build_forward_expand(gf, out);
+        ggml_cplan plan = ggml_graph_plan(gf, n_threads, nullptr);
+        std::vector<uint8_t> work(plan.work_size);
+        plan.work_data = work.data();
+        plan.use_ref   = use_ref;
+        GGML_ASSERT(ggml_graph_compute(gf, &plan) == GGML_STATUS_SUCCESS);
+    }
+};
 
 struct report {
     int n_pass = 0;

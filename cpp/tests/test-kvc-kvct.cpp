@@ -30,25 +30,6 @@ double fa_bound(ggml_type t) {
     return t == GGML_TYPE_KVCT4 ? 8e-3 : 3e-2;
 }
 
-struct graph_ctx {
-    ggml_context * ctx;
-    explicit graph_ctx(size_t mem) {
-        ggml_init_params p = { mem, nullptr, false };
-        ctx = ggml_init(p);
-    }
-    ~graph_ctx() { ggml_free(ctx); }
-
-    void compute(ggml_tensor * out, int n_threads, bool use_ref = false) {
-        ggml_cgraph * gf = ggml_new_graph(ctx);
-        ggml_build_forward_expand(gf, out);
-        ggml_cplan plan = ggml_graph_plan(gf, n_threads, nullptr);
-        std::vector<uint8_t> work(plan.work_size);
-        plan.work_data = work.data();
-        plan.use_ref   = use_ref;
-        GGML_ASSERT(ggml_graph_compute(gf, &plan) == GGML_STATUS_SUCCESS);
-    }
-};
-
 // pair p's energy in KV head h, and rows [n][n_head_kv][d] drawn with it
 float pair_energy(int h, int p, int d) {
     return (1.0f + 0.5f * (float) h) * (4.0f * std::exp(-8.0f * (float) p / (float) (d / 2)) + 0.05f);

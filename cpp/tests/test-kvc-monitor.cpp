@@ -403,20 +403,8 @@ void test_nan_in_first_rows(report & rep, llama_model * model, const std::vector
 }
 
 int main(int argc, char ** argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s MODEL.gguf\n", argv[0]);
-        return 2;
-    }
-    llama_log_set([](ggml_log_level level, const char * text, void *) {
-        if (level == GGML_LOG_LEVEL_ERROR) {
-            fputs(text, stderr);
-        }
-    }, nullptr);
-    llama_backend_init();
-    llama_model_params mparams = llama_model_default_params();
-    llama_model * model = llama_model_load_from_file(argv[1], mparams);
+    llama_model * model = load_test_model(argc, argv);
     if (!model) {
-        fprintf(stderr, "failed to load %s\n", argv[1]);
         return 2;
     }
     std::string text;

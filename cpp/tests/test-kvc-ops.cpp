@@ -41,26 +41,6 @@ double fa_bound(ggml_type t, bool decode = false) {
     }
 }
 
-struct graph_ctx {
-    ggml_context * ctx;
-    explicit graph_ctx(size_t mem) {
-        ggml_init_params p = { mem, nullptr, false };
-        ctx = ggml_init(p);
-    }
-    ~graph_ctx() { ggml_free(ctx); }
-
-    // use_ref: the CPU backend's scalar reference kernels where it has them
-    void compute(ggml_tensor * out, int n_threads = 2, bool use_ref = false) {
-        ggml_cgraph * gf = ggml_new_graph(ctx);
-        ggml_build_forward_expand(gf, out);
-        ggml_cplan plan = ggml_graph_plan(gf, n_threads, nullptr);
-        std::vector<uint8_t> work(plan.work_size);
-        plan.work_data = work.data();
-        plan.use_ref   = use_ref;
-        GGML_ASSERT(ggml_graph_compute(gf, &plan) == GGML_STATUS_SUCCESS);
-    }
-};
-
 void fill(ggml_tensor * t, const std::vector<float> & v) {
     GGML_ASSERT(t->type == GGML_TYPE_F32 && ggml_nelements(t) == (int64_t) v.size());
     memcpy(t->data, v.data(), ggml_nbytes(t));

@@ -215,20 +215,8 @@ void test_cache(report & rep, llama_model * model, const std::vector<llama_token
 } // namespace
 
 int main(int argc, char ** argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s MODEL.gguf\n", argv[0]);
-        return 2;
-    }
-    llama_log_set([](ggml_log_level level, const char * text, void *) {
-        if (level == GGML_LOG_LEVEL_ERROR) {
-            fputs(text, stderr);
-        }
-    }, nullptr);
-    llama_backend_init();
-    llama_model_params mp = llama_model_default_params();
-    llama_model * model = llama_model_load_from_file(argv[1], mp);
+    llama_model * model = load_test_model(argc, argv);
     if (!model) {
-        fprintf(stderr, "failed to load %s\n", argv[1]);
         return 2;
     }
     std::string text;
