@@ -2,8 +2,9 @@
 // statistics file, which this test writes itself for the model's shape (each pair's energy
 // falling across the head, so the plans give pairs different bits). Checked:
 //  - without statistics, and with a V of a kvct type, no ubatch is taken (llama_decode fails
-//    with the reason) and nothing crashes; a missing, damaged or other-model statistics file
-//    is refused with the reason, and the context stays usable after loading a good one;
+//    with the reason) and nothing crashes; a missing, damaged, other-model or NaN-holding
+//    statistics file is refused with the reason, and the context stays usable after loading
+//    a good one;
 //  - batched = sequential: one ubatch, ubatches of 32 (the same prompt kernel: logits within
 //    2e-3; with the buffer, mean KL to f16 within 2x the batched one's) and token by token
 //    (the decode kernel: mean KL to f16 within 2x the batched one's);
@@ -28,7 +29,8 @@ using namespace kvc_test;
 namespace {
 
 // A statistics file for the model's layers; `scale` multiplies every energy (another file,
-// other plans), `n_head_kv_extra` makes it one of another shape.
+// other plans; NaN: statistics of rows that held a NaN), `n_head_kv_extra` makes it one of
+// another shape.
 bool write_stats(const llama_model * model, const std::string & path, float scale, int n_head_kv_extra = 0) {
     const int n_layer = llama_model_n_layer(model);
     const int n_kv    = llama_model_n_head_kv(model) + n_head_kv_extra;
@@ -103,6 +105,9 @@ void test_refusals(report & rep, llama_model * model, const std::vector<llama_to
         rep.check(write_stats(model, "other-shape.gguf", 1.0f, 1) && llama_kvcomp_set_k_stats(c.ctx, "other-shape.gguf") == -1 &&
                   contains(llama_kvcomp_last_error(), "another model"),
                   "statistics of another model's shape are refused (%s)", llama_kvcomp_last_error());
+        rep.check(write_stats(model, "nan.gguf", NAN) && llama_kvcomp_set_k_stats(c.ctx, "nan.gguf") == -1 &&
+                  contains(llama_kvcomp_last_error(), "non-finite"),
+                  "statistics holding NaN are refused (%s)", llama_kvcomp_last_error());
         rep.check(llama_kvcomp_set_k_stats(c.ctx, "stats-a.gguf") == 0 && !decode(c.ctx, toks, 0, 8, 8).empty(),
                   "after the refusals, good statistics load and the context decodes");
         rep.check(llama_kvcomp_set_k_stats(c.ctx, "stats-a.gguf") == -2, "statistics cannot change under cached rows");

@@ -3,7 +3,8 @@
 // from (cpp/llama-kvcomp/kvcomp-plans.h): per RoPE pair of K's channels after RoPE, the
 // channels' means and centred second moments, and the queries' mean energy on the pair (the
 // weight of an error there). The first positions of every chunk are left out: the attention
-// sinks sit far from the other rows, and the modes keep them exact.
+// sinks sit far from the other rows, and the modes keep them exact. So is, in its layer, a
+// token whose Q or K row holds a NaN or Inf (counted in the last line).
 //
 // Usage: llama-kvcomp-calibrate -m MODEL -f TEXT -o OUT.gguf [-c 512] [--chunks 16] [--skip-first 4]
 
@@ -37,6 +38,7 @@ struct calib_state {
     int  skip_first = 4;
     int  neox = -1; // RoPE's pairing, from the first K RoPE node
     bool ok = true;
+    int64_t n_nonfinite = 0; // Q or K rows left out
     std::vector<layer_sums> layers;
 };
 
@@ -89,18 +91,31 @@ bool calib_eval_cb(ggml_tensor * t, bool ask, void * user_data) {
         return false;
     }
     const int64_t t0 = std::min<int64_t>(n_tok, st.skip_first);
+    // a token whose row holds a non-finite value is left out of its layer's statistics
+    const auto finite = [&](int64_t tok) {
+        for (int64_t i = 0; i < nh * d; ++i) {
+            if (!std::isfinite(x[tok * nh * d + i])) {
+                ++st.n_nonfinite;
+                return false;
+            }
+        }
+        return true;
+    };
     if (is_q) {
         if (l.q2.empty()) {
             l.n_head = nh;
             l.q2.assign(nh * d, 0.0);
         }
         for (int64_t tok = t0; tok < n_tok; ++tok) {
+            if (!finite(tok)) {
+                continue;
+            }
             for (int64_t i = 0; i < nh * d; ++i) {
                 const double v = x[tok * nh * d + i];
                 l.q2[i] += v * v;
             }
+            l.n_q += 1.0;
         }
-        l.n_q += (double) (n_tok - t0);
         return st.ok;
     }
     if (l.k1.empty()) {
@@ -110,6 +125,10 @@ bool calib_eval_cb(ggml_tensor * t, bool ask, void * user_data) {
         l.k2.assign(nh * d / 2 * 3, 0.0);
     }
     for (int64_t tok = t0; tok < n_tok; ++tok) {
+        if (!finite(tok)) {
+            continue;
+        }
+        l.n_k += 1.0;
         for (int64_t h = 0; h < nh; ++h) {
             const float * r = x.data() + (tok * nh + h) * d;
             for (int64_t i = 0; i < d; ++i) {
@@ -125,7 +144,6 @@ bool calib_eval_cb(ggml_tensor * t, bool ask, void * user_data) {
             }
         }
     }
-    l.n_k += (double) (n_tok - t0);
     return st.ok;
 }
 
@@ -143,7 +161,7 @@ bool write_stats(const calib_state & st, const std::string & arch, uint64_t n_to
     gguf_set_val_bool(g, LLAMA_KVCOMP_KSTATS_KEY_NEOX, st.neox == 1);
     for (size_t il = 0; il < st.layers.size(); ++il) {
         const layer_sums & l = st.layers[il];
-        if (l.k1.empty() || l.q2.empty() || l.n_k < 2.0 || l.n_head % l.n_kv != 0) {
+        if (l.k1.empty() || l.q2.empty() || l.n_k < 2.0 || l.n_q < 1.0 || l.n_head % l.n_kv != 0) {
             LOG_ERR("layer %zu: no K or Q rows were seen\n", il);
             gguf_free(g);
             ggml_free(ctx);
@@ -266,7 +284,8 @@ int main(int argc, char ** argv) {
     if (!write_stats(st, arch, n_tokens, out)) {
         return 1;
     }
-    LOG_INF("kvcomp calibrate: K statistics of %zu layers over %llu tokens (%d chunks of %d) -> %s\n", st.layers.size(),
-            (unsigned long long) n_tokens, n_chunks, n_ctx, out.c_str());
+    LOG_INF("kvcomp calibrate: K statistics of %zu layers over %llu tokens (%d chunks of %d; %lld rows left out for a "
+            "non-finite value) -> %s\n", st.layers.size(), (unsigned long long) n_tokens, n_chunks, n_ctx,
+            (long long) st.n_nonfinite, out.c_str());
     return 0;
 }
