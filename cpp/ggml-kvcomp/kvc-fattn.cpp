@@ -104,6 +104,32 @@ float dot_f32(const float * a, const float * b, int64_t n, bool ref) {
 }
 
 // y += w * x
+// d[g] = k . q[g] for the gn query heads of a decoded K row: the row is loaded once per four
+// heads (one ggml_vec_dot_f32 call per head cost more than the row's decoding).
+void dot_multi_f32(const float * k, const float * const * q, int64_t gn, int64_t n, float * d, bool ref) {
+#if defined(KVC_AVX2)
+    if (!ref && n % 8 == 0) {
+        for (int64_t g0 = 0; g0 < gn; g0 += 4) {
+            const int64_t ng = std::min<int64_t>(4, gn - g0);
+            __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+            for (int64_t i = 0; i < n; i += 8) {
+                const __m256 kv = _mm256_loadu_ps(k + i);
+                for (int64_t g = 0; g < ng; ++g) {
+                    acc[g] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q[g0 + g] + i), acc[g]);
+                }
+            }
+            for (int64_t g = 0; g < ng; ++g) {
+                d[g0 + g] = kvc_hsum_f32_8(acc[g]);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t g = 0; g < gn; ++g) {
+        d[g] = dot_f32(k, q[g], n, ref);
+    }
+}
+
 void mad_f32(float * y, const float * x, float w, int64_t n, bool ref) {
     if (ref) {
         for (int64_t i = 0; i < n; ++i) {
@@ -412,9 +438,11 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
             }
             // decoded once for all heads
             K.row_f32(k_to_f32, t0 + j, hk, s, kt, DK);
+            float d[KVC_DEC_GROUP];
+            dot_multi_f32(kt, qf, gn, DK, d, ref);
             for (int64_t g = 0; g < gn; ++g) {
                 if (sc[g][j] != -INFINITY) {
-                    sc[g][j] = a.score(dot_f32(kt, qf[g], DK, ref), sc[g][j]);
+                    sc[g][j] = a.score(d[g], sc[g][j]);
                 }
             }
         }
