@@ -474,10 +474,15 @@ void common_kvcomp_bench_usage() {
 
 bool common_kvcomp_bench_apply(llama_context * ctx) {
     // llama-bench takes cache types from -ctk/-ctv only: a mode must be run on its own types
+    // (K its type for the statistics when they are given)
     const common_params & params = kvcomp_bench_params();
     ggml_type want_k, want_v, type_k = GGML_TYPE_COUNT, type_v = GGML_TYPE_COUNT;
-    if (llama_kvcomp_mode_preset(params.kvcomp.mode, nullptr, &want_k, &want_v) == 0 &&
-        llama_kvcomp_get_cache_types(ctx, &type_k, &type_v) == 0 && (type_k != want_k || type_v != want_v)) {
+    const bool preset = llama_kvcomp_mode_preset(params.kvcomp.mode, nullptr, &want_k, &want_v) == 0 &&
+                        llama_kvcomp_get_cache_types(ctx, &type_k, &type_v) == 0;
+    if (preset && !kvcomp_kstats_path().empty()) {
+        want_k = (ggml_type) llama_kvcomp_mode_type_k_stats(params.kvcomp.mode);
+    }
+    if (preset && (type_k != want_k || type_v != want_v)) {
         LOG_ERR("kvcomp: --kv-comp %s runs on -ctk %s -ctv %s in llama-bench (got %s/%s)\n", llama_kvcomp_mode_name(params.kvcomp.mode),
             ggml_type_name(want_k), ggml_type_name(want_v), ggml_type_name(type_k), ggml_type_name(type_v));
         return false;
