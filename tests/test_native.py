@@ -22,8 +22,8 @@ MODELS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-@pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-transform", "test-kvc-kvct", "test-kvc-llama",
-                                  "test-kvc-fuzz", "test-kvc-state", "test-kvc-plans"])
+@pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-transform", "test-kvc-kvct",
+                                  "test-kvc-llama", "test-kvc-fuzz", "test-kvc-state", "test-kvc-plans"])
 def test_cpp(bins: Path, name: str, tmp_path: Path) -> None:
     args = [str(bins / name)]
     if name in MODELS:
