@@ -81,7 +81,7 @@ std::shared_ptr<llama_kvcomp_kstats> llama_kvcomp_kstats::load(const std::string
     return err.empty() ? out : nullptr;
 }
 
-llama_kvcomp_plans::llama_kvcomp_plans(const std::vector<layer_desc> & layers, const llama_kvcomp_kstats & stats) : source(stats.path) {
+llama_kvcomp_plans::llama_kvcomp_plans(const std::vector<layer_desc> & layers, const llama_kvcomp_kstats & stats) {
     const size_t n_layer = layers.size();
     for (size_t ib = 0; ib < n_layer; ++ib) {
         const auto &  l      = layers[ib];
@@ -158,13 +158,5 @@ void llama_kvcomp_plans::row_to_f32(int32_t ib, const uint8_t * x, float * y) co
         dequantize_row_kvct(&p, x, y);
         x += row_size[ib];
         y += p.d;
-    }
-}
-
-void llama_kvcomp_plans::row_from_f32(int32_t ib, const float * x, uint8_t * y) const {
-    for (const kvc_t_plan & p : plans[ib]) {
-        quantize_row_kvct_ref(&p, x, y);
-        x += p.d;
-        y += row_size[ib];
     }
 }

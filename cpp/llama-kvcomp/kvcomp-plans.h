@@ -55,19 +55,15 @@ struct llama_kvcomp_plans {
     llama_kvcomp_plans(const std::vector<layer_desc> & layers, const llama_kvcomp_kstats & stats);
     ~llama_kvcomp_plans();
 
-    // cache layer ib: its plans as a tensor ([n_head_kv * sizeof(kvc_t_plan)] I8) and on the host
+    // cache layer ib: its plans as a tensor ([n_head_kv * sizeof(kvc_t_plan)] I8)
     ggml_tensor * tensor(int32_t ib) const { return tensors[ib]; }
-    const kvc_t_plan * host(int32_t ib) const { return plans[ib].data(); }
-    int64_t n_head(int32_t ib) const { return (int64_t) plans[ib].size(); }
 
-    // One row of the K cache (every KV head, the layout of kv's K rows) to F32 and back.
+    // One row of the K cache (every KV head, the layout of the cache's K rows) to F32.
     void row_to_f32(int32_t ib, const uint8_t * x, float * y) const;
-    void row_from_f32(int32_t ib, const float * x, uint8_t * y) const;
 
     // A hash of every plan's bytes: a state saved under other plans is told apart.
     uint64_t fingerprint() const { return hash; }
     size_t   nbytes() const;
-    std::string source; // the statistics file
 
 private:
     std::vector<std::vector<kvc_t_plan>> plans; // [cache layer][KV head]

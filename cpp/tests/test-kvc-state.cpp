@@ -119,6 +119,7 @@ layout parse(const bytes & f) {
         for (uint32_t & x : h) {
             x = get<uint32_t>(f, o);
         }
+        get<uint64_t>(f, o); // the hash of the kvct plans (0: none)
         if (get<uint32_t>(f, o)) { // the tracker's part
             const uint32_t nl = get<uint32_t>(f, o), ns = get<uint32_t>(f, o);
             for (uint32_t s = 0; s < ns; ++s) {
