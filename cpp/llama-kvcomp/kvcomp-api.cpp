@@ -39,13 +39,6 @@ constexpr kvcomp_mode_row KVCOMP_MODES[] = {
 };
 static_assert(sizeof(KVCOMP_MODES) / sizeof(KVCOMP_MODES[0]) == LLAMA_KVCOMP_MODE_CUSTOM, "one table row per mode");
 
-// Logs why a call failed and keeps it for llama_kvcomp_last_error.
-int32_t kvcomp_fail(int32_t rc, const std::string & why) {
-    LLAMA_LOG_ERROR("kvcomp: %s\n", why.c_str());
-    llama_kvcomp_set_last_error(why);
-    return rc;
-}
-
 } // namespace
 
 std::vector<llama_kv_cache *> llama_kvcomp_caches(llama_context * ctx) {
@@ -168,7 +161,7 @@ int32_t llama_kvcomp_configure(llama_context * ctx, const llama_kvcomp_params * 
     llama_kvcomp_set_last_error("");
     const char * err = llama_kvcomp_params_error(params);
     if (!ctx || err) {
-        return kvcomp_fail(-1, std::string("invalid parameters: ") + (err ? err : "no context"));
+        return llama_kvcomp_fail(-1, std::string("invalid parameters: ") + (err ? err : "no context"));
     }
     // a window, sinks or a merge interval beyond the context could never be used up, and only
     // size the buffer past what the machine holds
@@ -180,13 +173,13 @@ int32_t llama_kvcomp_configure(llama_context * ctx, const llama_kvcomp_params * 
     };
     for (const auto & b : bounded) {
         if ((uint32_t) b.value > n_ctx) {
-            return kvcomp_fail(-1, std::string(b.flag) + " " + std::to_string(b.value) + ": the " + b.name +
+            return llama_kvcomp_fail(-1, std::string(b.flag) + " " + std::to_string(b.value) + ": the " + b.name +
                                    " is larger than the context (" + std::to_string(n_ctx) + " tokens, -c)");
         }
     }
     const auto caches = llama_kvcomp_caches(ctx);
     if (caches.empty()) {
-        return kvcomp_fail(-2, "kvcomp needs a transformer KV cache (this model's memory is recurrent or hybrid)");
+        return llama_kvcomp_fail(-2, "kvcomp needs a transformer KV cache (this model's memory is recurrent or hybrid)");
     }
     // a context whose caches have never been configured has no monitor yet: an entry left by
     // a freed context at the same address is not its
@@ -207,16 +200,16 @@ int32_t llama_kvcomp_configure(llama_context * ctx, const llama_kvcomp_params * 
 int32_t llama_kvcomp_set_k_stats(llama_context * ctx, const char * path) {
     llama_kvcomp_set_last_error("");
     if (!ctx || !path) {
-        return kvcomp_fail(-1, "llama_kvcomp_set_k_stats: no context or no path");
+        return llama_kvcomp_fail(-1, "llama_kvcomp_set_k_stats: no context or no path");
     }
     const auto caches = llama_kvcomp_caches(ctx);
     if (caches.empty()) {
-        return kvcomp_fail(-2, "kvcomp needs a transformer KV cache (this model's memory is recurrent or hybrid)");
+        return llama_kvcomp_fail(-2, "kvcomp needs a transformer KV cache (this model's memory is recurrent or hybrid)");
     }
     std::string err;
     const auto stats = llama_kvcomp_kstats::load(path, err);
     if (!stats) {
-        return kvcomp_fail(-1, "K statistics: " + err);
+        return llama_kvcomp_fail(-1, "K statistics: " + err);
     }
     for (llama_kv_cache * kv : caches) {
         const int32_t rc = llama_kvcomp_buffer::set_k_stats(*kv, stats, llama_n_ubatch(ctx), llama_n_seq_max(ctx));
@@ -253,7 +246,7 @@ int32_t llama_kvcomp_get_cache_types(llama_context * ctx, ggml_type * type_k, gg
 int32_t llama_kvcomp_set_mode(llama_context * ctx, int32_t mode) {
     llama_kvcomp_params p;
     if (llama_kvcomp_mode_preset(mode, &p, nullptr, nullptr) != 0) {
-        return kvcomp_fail(-1, "unknown mode " + std::to_string(mode));
+        return llama_kvcomp_fail(-1, "unknown mode " + std::to_string(mode));
     }
     ggml_type type_k = GGML_TYPE_F16, type_v = GGML_TYPE_F16;
     if (mode == LLAMA_KVCOMP_MODE_OFF && llama_kvcomp_get_cache_types(ctx, &type_k, &type_v) == 0 &&

@@ -1071,9 +1071,7 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
         return 0;
     }
     if (kv.v_trans && ((wants_slots(params) && lossy(kv)) || wants_tracker || tracker || plans)) {
-        LLAMA_LOG_ERROR("%s: kvcomp needs flash attention (-fa on)\n", __func__);
-        llama_kvcomp_set_last_error("kvcomp needs flash attention (-fa on)");
-        return -2;
+        return llama_kvcomp_fail(-2, "kvcomp needs flash attention (-fa on)");
     }
     try {
         if (!tracker && wants_tracker) {
@@ -1099,9 +1097,7 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
             std::to_string(params.window) + ", sinks " + std::to_string(params.sinks) + ", merge interval " +
             std::to_string(params.merge_interval) + " and pin budget " + std::to_string(params.pin_budget) +
             "% size it; lower --kv-comp-window, --kv-comp-sinks, --kv-comp-merge or --kv-comp-pin-budget";
-        LLAMA_LOG_ERROR("%s: %s\n", __func__, why.c_str());
-        llama_kvcomp_set_last_error(why);
-        return -3;
+        return llama_kvcomp_fail(-3, why);
     }
     return 0;
 }
@@ -1113,23 +1109,19 @@ int32_t llama_kvcomp_buffer::set_k_stats(llama_kv_cache & kv, const std::shared_
         LLAMA_LOG_INFO("kvcomp: K is %s: the K statistics are not used (they serve kvct4 and kvct3 caches)\n", ggml_type_name(type_k));
         return 0;
     }
-    const auto fail = [](int32_t rc, const std::string & why) {
-        LLAMA_LOG_ERROR("llama_kvcomp_set_k_stats: %s\n", why.c_str());
-        llama_kvcomp_set_last_error(why);
-        return rc;
-    };
     if (kv.v_trans) {
-        return fail(-2, std::string("a ") + ggml_type_name(type_k) + " K cache needs flash attention (-fa on)");
+        return llama_kvcomp_fail(-2, std::string("a ") + ggml_type_name(type_k) + " K cache needs flash attention (-fa on)");
     }
     for (const auto & l : kv.layers) {
         if (!l.k->buffer || !ggml_backend_buffer_is_host(l.k->buffer)) {
-            return fail(-2, std::string(ggml_type_name(type_k)) + " K caches run on the CPU backend for now (issue 21): keep the "
-                            "KV cache in host memory (--no-kv-offload, or -ngl 0)");
+            return llama_kvcomp_fail(-2, std::string(ggml_type_name(type_k)) + " K caches run on the CPU backend for now (issue "
+                                         "21): keep the KV cache in host memory (--no-kv-offload, or -ngl 0)");
         }
     }
     for (uint32_t strm = 0; strm < kv.n_stream; ++strm) {
         if (kv.v_cells[strm].get_used() > 0) {
-            return fail(-2, "the K statistics are set before the cache holds tokens (its rows would be read with other plans)");
+            return llama_kvcomp_fail(-2, "the K statistics are set before the cache holds tokens (its rows would be read with "
+                                         "other plans)");
         }
     }
     std::shared_ptr<llama_kvcomp_plans> plans;
@@ -1140,14 +1132,14 @@ int32_t llama_kvcomp_buffer::set_k_stats(llama_kv_cache & kv, const std::shared_
         }
         plans = std::make_shared<llama_kvcomp_plans>(descs, *stats);
     } catch (const std::runtime_error & e) {
-        return fail(-1, std::string("K statistics '") + stats->path + "': " + e.what());
+        return llama_kvcomp_fail(-1, std::string("K statistics '") + stats->path + "': " + e.what());
     }
     try {
         if (!kv.kvcomp) {
             kv.kvcomp = std::make_shared<llama_kvcomp_buffer>(kv, llama_kvcomp_default_params(), n_ubatch, n_seq_max, nullptr);
         }
     } catch (const std::exception & e) {
-        return fail(-3, e.what());
+        return llama_kvcomp_fail(-3, e.what());
     }
     kv.kvcomp->plans = plans;
     // The plans code K's own channels, where RoPE's pairs and their energies are: upstream's
@@ -1175,8 +1167,7 @@ bool llama_kvcomp_buffer::ready(const llama_kv_cache & kv) {
         std::string("a ") + ggml_type_name(type_k) +
             " K cache needs its plans: load K statistics first (--kv-comp-kstats FILE, llama_kvcomp_set_k_stats; "
             "`kvcomp calibrate` writes them)";
-    LLAMA_LOG_ERROR("kvcomp: %s\n", why.c_str());
-    llama_kvcomp_set_last_error(why);
+    llama_kvcomp_fail(-1, why);
     return false;
 }
 

@@ -221,6 +221,12 @@ void llama_kvcomp_set_last_error(const std::string & reason) {
     kvcomp_last_error = reason;
 }
 
+int32_t llama_kvcomp_fail(int32_t rc, const std::string & why) {
+    LLAMA_LOG_ERROR("kvcomp: %s\n", why.c_str());
+    llama_kvcomp_set_last_error(why);
+    return rc;
+}
+
 void llama_kvcomp_state_failed(const char * reason) {
     if (kvcomp_last_error.empty()) {
         kvcomp_last_error = reason && *reason ? reason : "refused (see the log)";

@@ -41,3 +41,6 @@ void llama_kvcomp_state_failed(const char * reason);
 // Why the last failed kvcomp call on this thread failed (for llama_kvcomp_configure and the
 // state API alike); set_last_error("") clears it.
 void llama_kvcomp_set_last_error(const std::string & reason);
+
+// Logs why a call failed, keeps it for llama_kvcomp_last_error and returns rc.
+int32_t llama_kvcomp_fail(int32_t rc, const std::string & why);
