@@ -17,7 +17,8 @@ extern "C" {
 // a row is one KV head's d values coded with a plan of that layer and head, so no kernel can
 // read or write one without the plans. A node that does (SET_ROWS into such a cache, the
 // FLASH_ATTN_EXT that reads it) carries them as a source (ggml_kvct_set_plans): an I8 tensor
-// of one kvc_t_plan (kvc-transform.h) per KV head. Only the CPU backend runs such nodes.
+// of one kvc_t_plan (kvc-transform.h) per KV head and the layer's kvc_t_rope. Only the CPU
+// backend runs such nodes.
 #define GGML_KVCOMP_KVCT_FIRST GGML_TYPE_KVCT4
 #define GGML_KVCOMP_KVCT_LAST  GGML_TYPE_KVCT3
 
@@ -52,10 +53,17 @@ GGML_API void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_
 GGML_API bool ggml_flash_attn_ext_has_exact(const struct ggml_tensor * a);
 
 // Gives a SET_ROWS node that writes a kvct cache, or a FLASH_ATTN_EXT node that reads one as
-// K, the plans of its rows ([n_head_kv * sizeof(kvc_t_plan)] I8); and reads them back (NULL
-// when the node has none).
+// K, the plans of its rows ([n_head_kv * sizeof(kvc_t_plan) + sizeof(kvc_t_rope)] I8); and
+// reads them back (NULL when the node has none).
 GGML_API void ggml_kvct_set_plans(struct ggml_tensor * node, struct ggml_tensor * plans);
 GGML_API const struct ggml_tensor * ggml_kvct_get_plans(const struct ggml_tensor * node);
+
+// Rows coded before RoPE (the plans' kvc_t_rope turns pairs) are turned to their keys'
+// positions when attention reads them: the FLASH_ATTN_EXT node's plans are then a view of
+// the plans that carries the positions of the cache's cells (I32 [cells, streams], the view
+// of K telling its first stream). Positions NULL: a plain view.
+GGML_API struct ggml_tensor * ggml_kvct_plans_view(struct ggml_context * ctx, struct ggml_tensor * plans, struct ggml_tensor * positions);
+GGML_API const struct ggml_tensor * ggml_kvct_get_positions(const struct ggml_tensor * node);
 
 // The op-support query's kvcomp rule, asked before a device's own answer: a node with a
 // second attention source or with kvct plans runs only where its kernel is (the CPU

@@ -194,19 +194,46 @@ struct fa_src {
     int64_t      r3 = 1; // query streams per source stream
     const kvc_t_decoder * plans = nullptr; // per KV head, for kvct rows
     bool ref = false;                    // kvct rows through the format's reference
+    // kvct rows coded before RoPE: the layer's RoPE and the positions of the cache's cells
+    // ([cells, streams]; this source's first stream is s0)
+    const kvc_t_rope * rope = nullptr;
+    const int32_t *    pos  = nullptr;
+    int64_t            pos_ne0 = 0, s0 = 0;
 
     const char * row(int64_t j, int64_t hk, int64_t s) const {
         return data + j * nb1 + hk * nb2 + (s / r3) * nb3;
     }
 
-    // row j of KV head hk in stream s, as F32 (to_f32: the row converter of a type without plans)
-    void row_f32(row_to_f32_t to_f32, int64_t j, int64_t hk, int64_t s, float * y, int64_t d) const {
+    // row j of KV head hk in stream s, as F32 (to_f32: the row converter of a type without
+    // plans); a row coded before RoPE is turned to its key's position, through `walk` (which
+    // rope set up) or, for the reference, from the exact angles
+    void row_f32(row_to_f32_t to_f32, int64_t j, int64_t hk, int64_t s, float * y, int64_t d, kvc_t_rope_walk * walk) const {
         if (plans && ref) {
             dequantize_row_kvct(plans[hk].plan, (const uint8_t *) row(j, hk, s), y);
         } else if (plans) {
             kvc_t_decoder_row(&plans[hk], (const uint8_t *) row(j, hk, s), y);
         } else {
             to_f32(row(j, hk, s), y, d);
+            return;
+        }
+        if (!rope) {
+            return;
+        }
+        const int64_t p = pos[(s0 + s / r3) * pos_ne0 + j];
+        if (ref) {
+            float c[KVC_T_MAX_D / 2], sn[KVC_T_MAX_D / 2];
+            kvc_t_rope_cs(rope, p, c, sn);
+            kvc_t_rope_row(plans[hk].plan, c, sn, 0, y);
+        } else {
+            kvc_t_rope_walk_to(walk, p);
+            kvc_t_rope_row(plans[hk].plan, walk->c, walk->s, 0, y);
+        }
+    }
+
+    // the walk of this source's keys (unused without a RoPE)
+    void walk_init(kvc_t_rope_walk & w) const {
+        if (rope) {
+            kvc_t_rope_walk_init(&w, rope);
         }
     }
 };
@@ -407,6 +434,8 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
 
     float sc[KVC_DEC_GROUP][KVC_DEC_TILE];
     float kt[KVC_DEC_MAX_D];
+    kvc_t_rope_walk walk;
+    K.walk_init(walk);
     float vt[KVC_DEC_TILE][KVC_DEC_MAX_D];
 
     for (int64_t t0 = j0; t0 < j1; t0 += KVC_DEC_TILE) {
@@ -437,7 +466,7 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
                 continue;
             }
             // decoded once for all heads
-            K.row_f32(k_to_f32, t0 + j, hk, s, kt, DK);
+            K.row_f32(k_to_f32, t0 + j, hk, s, kt, DK, &walk);
             float d[KVC_DEC_GROUP];
             dot_multi_f32(kt, qf, gn, DK, d, ref);
             for (int64_t g = 0; g < gn; ++g) {
@@ -628,6 +657,8 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
         }
         const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, ref, is == KVC_FA_SRC_UBATCH);
         const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref, is == KVC_FA_SRC_UBATCH);
+        kvc_t_rope_walk walk;
+        K.walk_init(walk);
 
         for (int64_t j0 = 0; j0 < K.n; j0 += TK) {
             const int nk = (int) std::min(TK, K.n - j0);
@@ -648,7 +679,7 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
             }
 
             for (int c = 0; c < nk; ++c) {
-                K.row_f32(k_to_f32, j0 + c, hk, s, kt, DK);
+                K.row_f32(k_to_f32, j0 + c, hk, s, kt, DK, &walk);
                 for (int64_t d = 0; d < DK; ++d) {
                     K32[d * TK + c] = kt[d];
                 }
@@ -740,7 +771,7 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
     if (kvct) {
         GGML_ASSERT(kp && "kvcomp: a kvct K cache is read with its plans (llama_kvcomp_set_k_stats)");
         const kvc_t_plan * plan = (const kvc_t_plan *) kp->data;
-        GGML_ASSERT(ggml_nbytes(kp) == (size_t) k->ne[2] * sizeof(kvc_t_plan) && plan[0].d == k->ne[0] &&
+        GGML_ASSERT(kvc_t_plans_n_head(ggml_nbytes(kp)) == k->ne[2] && plan[0].d == k->ne[0] &&
                     plan[0].row_bits == kvc_t_type_row_bits(k->type, k->ne[0]) && "kvcomp: kvct plans of another shape");
     }
     const bool fits = q->type == GGML_TYPE_F32 && (kvct || readable(k->type)) && readable(v->type) &&
@@ -765,6 +796,18 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
         }
         a.k[0].plans = a.k_plans.data();
         a.k[0].ref   = params->use_ref;
+        const kvc_t_rope * rope = (const kvc_t_rope *) ((const kvc_t_plan *) kp->data + k->ne[2]);
+        if (rope->n_pairs > 0) {
+            const ggml_tensor * pos = ggml_kvct_get_positions(dst);
+            GGML_ASSERT(rope->n_pairs * 2 == k->ne[0] && pos && pos->type == GGML_TYPE_I32 &&
+                        "kvcomp: kvct rows coded before RoPE are read with their cells' positions");
+            a.k[0].rope    = rope;
+            a.k[0].pos     = (const int32_t *) pos->data;
+            a.k[0].pos_ne0 = pos->ne[0];
+            // the view's first stream of the cache
+            a.k[0].s0      = k->view_src ? (int64_t) (k->view_offs / k->nb[3]) : 0;
+            GGML_ASSERT(k->ne[1] <= pos->ne[0] && a.k[0].s0 + k->ne[3] <= pos->ne[1]);
+        }
     }
     a.v[0] = make_src(v, a.n_stream);
     a.k[1] = make_src(ke, a.n_stream);

@@ -65,6 +65,21 @@ const struct ggml_tensor * ggml_kvct_get_plans(const struct ggml_tensor * node) 
     return is >= 0 ? node->src[is] : NULL;
 }
 
+struct ggml_tensor * ggml_kvct_plans_view(struct ggml_context * ctx, struct ggml_tensor * plans, struct ggml_tensor * positions) {
+    struct ggml_tensor * v = ggml_view_1d(ctx, plans, plans->ne[0], 0);
+    if (positions) {
+        GGML_ASSERT(positions->type == GGML_TYPE_I32 && ggml_is_contiguous(positions));
+        // a view's computation reads nothing: the source only puts the positions in the graph
+        v->src[1] = positions;
+    }
+    return v;
+}
+
+const struct ggml_tensor * ggml_kvct_get_positions(const struct ggml_tensor * node) {
+    const struct ggml_tensor * plans = ggml_kvct_get_plans(node);
+    return plans && plans->op == GGML_OP_VIEW ? plans->src[1] : NULL;
+}
+
 bool ggml_kvcomp_dev_supports_op(struct ggml_backend_device * dev, const struct ggml_tensor * op) {
     const bool kvct = (op->op == GGML_OP_SET_ROWS && ggml_kvcomp_is_kvct(op->type)) ||
                       (op->op == GGML_OP_FLASH_ATTN_EXT && ggml_kvcomp_is_kvct(op->src[1]->type));

@@ -1,6 +1,8 @@
 #include "kvc-kvct-cpu.h"
 #include "kvc-common.h"
 
+#include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan) {
@@ -62,4 +64,33 @@ void kvc_t_decoder_row(const kvc_t_decoder * dec, const uint8_t * x, float * y) 
     if (!dec->identity) {
         kvc_t_inverse(plan, v, y);
     }
+}
+
+void kvc_t_rope_walk_init(kvc_t_rope_walk * w, const kvc_t_rope * rope) {
+    w->rope   = rope;
+    w->pos    = INT64_MIN;
+    w->n_step = 0;
+    for (int32_t p = 0; p < rope->n_pairs; ++p) {
+        w->step_c[p] = (float) cos((double) rope->theta[p]);
+        w->step_s[p] = (float) sin((double) rope->theta[p]);
+    }
+}
+
+void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos) {
+    if (pos == w->pos) {
+        return;
+    }
+    const int32_t n = w->rope->n_pairs;
+    if (w->pos != INT64_MIN && pos == w->pos + 1 && w->n_step < KVC_T_ROPE_RESYNC) {
+        for (int32_t p = 0; p < n; ++p) {
+            const float c = w->c[p], s = w->s[p];
+            w->c[p] = c * w->step_c[p] - s * w->step_s[p];
+            w->s[p] = s * w->step_c[p] + c * w->step_s[p];
+        }
+        w->n_step++;
+    } else {
+        kvc_t_rope_cs(w->rope, pos, w->c, w->s);
+        w->n_step = 0;
+    }
+    w->pos = pos;
 }

@@ -51,9 +51,9 @@ static void kvc_set_rows_kvct(const struct ggml_compute_params * params, struct 
     GGML_TENSOR_BINARY_OP_LOCALS
 
     const kvc_t_plan * plan = (const kvc_t_plan *) plans->data;
-    const int64_t n_head = ggml_nbytes(plans) / sizeof(kvc_t_plan);
+    const int64_t n_head = kvc_t_plans_n_head(ggml_nbytes(plans));
     const int64_t d      = plan[0].d;
-    GGML_ASSERT(n_head * sizeof(kvc_t_plan) == ggml_nbytes(plans) && n_head * d == ne00 && ne00 == ne0);
+    GGML_ASSERT(n_head > 0 && n_head * d == ne00 && ne00 == ne0);
     GGML_ASSERT(kvc_t_type_row_bits(dst->type, d) == plan[0].row_bits);
     const size_t rs = ggml_row_size(dst->type, d);
 

@@ -299,3 +299,62 @@ bool kvc_t_validate_rows(enum ggml_type type, int64_t d, const void * data, size
     }
     return true;
 }
+
+bool kvc_t_rope_from_op(kvc_t_rope * rope, const int32_t * op_params, const float * freq_factors, int64_t d) {
+    const int32_t n_dims = op_params[1];
+    const int32_t mode   = op_params[2];
+    const int32_t n_ctx_orig = op_params[4];
+    float freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow;
+    memcpy(&freq_base,   op_params + 5, sizeof(float));
+    memcpy(&freq_scale,  op_params + 6, sizeof(float));
+    memcpy(&ext_factor,  op_params + 7, sizeof(float));
+    memcpy(&attn_factor, op_params + 8, sizeof(float));
+    memcpy(&beta_fast,   op_params + 9, sizeof(float));
+    memcpy(&beta_slow,   op_params + 10, sizeof(float));
+    // op_params[15]: the first turned channel
+    if (n_dims != d || d % 2 != 0 || d > KVC_T_MAX_D || (mode & ~GGML_ROPE_TYPE_NEOX) != 0 || op_params[15] != 0) {
+        return false;
+    }
+    // the angle is linear in the position (upstream's rope_yarn): theta_extrap = pos *
+    // base^(-2p/n_dims) / factor, mixed with freq_scale * theta_extrap by YaRN's ramp
+    float corr[2];
+    ggml_rope_yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow, corr);
+    kvc_t_rope out;
+    memset(&out, 0, sizeof(out));
+    out.n_pairs = n_dims / 2;
+    out.mscale  = ext_factor != 0.0f ? attn_factor * (1.0f + 0.1f * logf(1.0f / freq_scale)) : attn_factor;
+    for (int32_t p = 0; p < n_dims / 2; ++p) {
+        const double w = pow((double) freq_base, -2.0 * p / n_dims) / (double) (freq_factors ? freq_factors[p] : 1.0f);
+        double mix = 0.0;
+        if (ext_factor != 0.0f) {
+            const double y = (p - (double) corr[0]) / fmax(0.001, (double) (corr[1] - corr[0]));
+            mix = (1.0 - fmin(1.0, fmax(0.0, y))) * (double) ext_factor;
+        }
+        out.theta[p] = (float) (w * ((double) freq_scale * (1.0 - mix) + mix));
+    }
+    *rope = out;
+    return true;
+}
+
+void kvc_t_rope_cs(const kvc_t_rope * rope, int64_t pos, float * c, float * s) {
+    for (int32_t p = 0; p < rope->n_pairs; ++p) {
+        const double a = (double) pos * (double) rope->theta[p];
+        c[p] = (float) cos(a) * rope->mscale;
+        s[p] = (float) sin(a) * rope->mscale;
+    }
+}
+
+void kvc_t_rope_row(const kvc_t_plan * plan, const float * c, const float * s, int inverse, float * x) {
+    for (int32_t p = 0; p < plan->d / 2; ++p) {
+        const int a = plan->pair[p][0], b = plan->pair[p][1];
+        const float xa = x[a], xb = x[b];
+        if (inverse) {
+            const float g = 1.0f / (c[p] * c[p] + s[p] * s[p]);
+            x[a] = ( c[p] * xa + s[p] * xb) * g;
+            x[b] = (-s[p] * xa + c[p] * xb) * g;
+        } else {
+            x[a] = c[p] * xa - s[p] * xb;
+            x[b] = s[p] * xa + c[p] * xb;
+        }
+    }
+}

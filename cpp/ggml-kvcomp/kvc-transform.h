@@ -75,6 +75,35 @@ typedef struct {
     const float (*w)[3];
 } kvc_t_stats;
 
+// The RoPE of a layer whose plans were fitted before RoPE (KVC_T_BASIS_PAIR_AXES): rows are
+// coded as the model computed them before its RoPE, and a kernel turns each decoded row to its
+// key's position, pair p of the plan by the angle pos * theta[p] with the gain mscale (YaRN's,
+// 1 for most models). n_pairs == 0: the rows were coded after RoPE and are read as they are.
+typedef struct {
+    int32_t n_pairs;
+    float   mscale;
+    float   theta[KVC_T_MAX_D / 2];
+} kvc_t_rope;
+
+// A node's plans tensor (ggml_kvct_set_plans) holds one kvc_t_plan per KV head, then the
+// layer's kvc_t_rope. The KV heads of a plans tensor of nbytes bytes (0 when it has another size).
+static inline int64_t kvc_t_plans_n_head(size_t nbytes) {
+    return nbytes > sizeof(kvc_t_rope) && (nbytes - sizeof(kvc_t_rope)) % sizeof(kvc_t_plan) == 0 ?
+        (int64_t) ((nbytes - sizeof(kvc_t_rope)) / sizeof(kvc_t_plan)) : 0;
+}
+
+// The RoPE of a GGML_OP_ROPE node (its op_params and frequency factors, NULL for none) for
+// rows of d values, pairs ordered as RoPE orders them (NEOX: (p, p + d/2), else (2p, 2p+1)).
+// False for a RoPE that turns fewer than d channels or a multi-section one.
+GGML_API bool kvc_t_rope_from_op(kvc_t_rope * rope, const int32_t * op_params, const float * freq_factors, int64_t d);
+
+// The (cos, sin) of every pair's angle at pos, times mscale (the angle in double precision).
+GGML_API void kvc_t_rope_cs(const kvc_t_rope * rope, int64_t pos, float * c, float * s);
+
+// Turns row x (d = 2 * rope->n_pairs values, pairs as in the plan) in place by the angles of
+// kvc_t_rope_cs, forward (RoPE) or back (inverse != 0; undoes the gain too).
+GGML_API void kvc_t_rope_row(const kvc_t_plan * plan, const float * c, const float * s, int inverse, float * x);
+
 // Bytes of a coded row of `row_bits` bits.
 static inline size_t kvc_t_row_size(int32_t row_bits) {
     return (size_t) (row_bits + 7) / 8;

@@ -73,6 +73,7 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     }
     reencode_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, std::max<int64_t>(1, this->tracker ? this->tracker->n_reencode_max() : 0));
     k_written.assign(k_buf.size(), nullptr);
+    rope_warned.assign(kv.layers.size(), false);
     v_written.assign(k_buf.size(), nullptr);
     k_cur.assign(k_buf.size(), nullptr);
     v_cur.assign(k_buf.size(), nullptr);
@@ -223,12 +224,12 @@ uint32_t llama_kvcomp_buffer::n_main(uint32_t n_kv, uint32_t kv_size, int32_t il
 
 // ||x - deq(q(x))|| / ||x|| over the token's K and V rows in every layer: x is the slot's
 // F16 row, deq(q(x)) the main cache's row.
-void llama_kvcomp_buffer::main_row_f32(const ggml_tensor * main, int32_t ib, bool is_k, uint64_t row, std::vector<uint8_t> & raw,
-                                       float * y) const {
+void llama_kvcomp_buffer::main_row_f32(const ggml_tensor * main, int32_t ib, bool is_k, uint64_t row, llama_pos pos,
+                                       std::vector<uint8_t> & raw, float * y) const {
     raw.resize(main->nb[1]);
     ggml_backend_tensor_get(main, raw.data(), row * main->nb[1], main->nb[1]);
     if (is_k && plans) {
-        plans->row_to_f32(ib, raw.data(), y);
+        plans->row_to_f32(ib, raw.data(), y, pos);
     } else if (main->type == GGML_TYPE_F32) {
         std::memcpy(y, raw.data(), main->ne[0] * sizeof(float));
     } else {
@@ -251,7 +252,7 @@ float llama_kvcomp_buffer::measure(const llama_kv_cache & kv, uint32_t strm, uin
             exact.resize(n);
             x.resize(n);
             y.resize(n);
-            main_row_f32(main, (int32_t) ib, is_k, c, raw, y.data());
+            main_row_f32(main, (int32_t) ib, is_k, c, kv.v_cells[strm].pos_get(maps[strm].slot_cell[s]), raw, y.data());
             ggml_backend_tensor_get(slots, exact.data(), r * slots->nb[1], slots->nb[1]);
             ggml_fp16_to_fp32_row(exact.data(), x.data(), n);
             for (int64_t i = 0; i < n; ++i) {
@@ -489,18 +490,41 @@ ggml_tensor * llama_kvcomp_buffer::cpy(ggml_context * ctx0, ggml_tensor * cache,
         (is_k ? k_cur : v_cur)[ib] = cur;
     }
 
-    ggml_tensor * out = ggml_set_rows(ctx0, cache, cur, idx_main);
+    ggml_tensor * rows = is_k && plans && plans->pre_rope() ? pre_rope_rows(ctx0, cur, ib) : cur;
+    ggml_tensor * out = ggml_set_rows(ctx0, cache, rows, idx_main);
     if (is_k && plans) {
         ggml_kvct_set_plans(out, plans->tensor(ib));
     }
     return out;
 }
 
+// K rows as the model computed them before its RoPE, which cur (upstream's [n_embd_k_gqa,
+// n_tokens] view of K) turned: the RoPE node's input, when the plans can follow that RoPE.
+// Otherwise the layer codes cur itself, read without a turn: correct, with plans fitted for
+// other rows (said once per layer).
+ggml_tensor * llama_kvcomp_buffer::pre_rope_rows(ggml_context * ctx0, ggml_tensor * cur, int32_t ib) const {
+    const ggml_tensor * rope = cur->op == GGML_OP_VIEW && cur->view_offs == 0 ? cur->src[0] : nullptr;
+    if (!rope || rope->op != GGML_OP_ROPE || !ggml_are_same_shape(rope, rope->src[0]) || !plans->set_rope(ib, rope)) {
+        if (plans->has_rope(ib) || !rope_warned[ib]) {
+            LLAMA_LOG_WARN("kvcomp: cache layer %d: K does not come from a RoPE the kvct plans follow; its rows are coded "
+                           "after RoPE\n", ib);
+            rope_warned[ib] = true;
+        }
+        GGML_ASSERT(!plans->has_rope(ib) && "kvcomp: a layer's K changed from RoPE rows to others within one context");
+        return cur;
+    }
+    ggml_tensor * pre = rope->src[0];
+    if (pre->nb[0] != ggml_type_size(pre->type) || pre->nb[1] != ggml_row_size(pre->type, pre->ne[0])) {
+        pre = ggml_cont(ctx0, pre);
+    }
+    return ggml_view_2d(ctx0, pre, cur->ne[0], cur->ne[1], pre->nb[2], 0);
+}
+
 ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_view, int32_t il, bool is_k) const {
     const int32_t ib  = layer_of_il[il];
     if (is_k && plans) {
         // the attention node takes the plans from here (llama_kvcomp_add_exact finds them by name)
-        ggml_tensor * pv = ggml_view_1d(ctx0, plans->tensor(ib), plans->tensor(ib)->ne[0], 0);
+        ggml_tensor * pv = ggml_kvct_plans_view(ctx0, plans->tensor(ib), plans->has_rope(ib) ? plans->positions() : nullptr);
         ggml_format_name(pv, "kvcomp_plans_k-%d", il);
         ggml_format_name(main_view, "kvcomp_main_k-%d", il);
     }
@@ -596,6 +620,18 @@ void llama_kvcomp_buffer::set_input_slot_idxs(int64_t * dst, const llama_kv_cach
 
 void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tensor * dst, const llama_ubatch * ubatch,
                                             const std::function<void(float *, int64_t)> & fill_main) const {
+    if (plans && plans->pre_rope()) {
+        // where attention turns the kvct rows to: every cell's position now (the ubatch's
+        // cells included; a shift moved them)
+        ggml_tensor * pos = plans->positions();
+        int32_t * p = (int32_t *) pos->data;
+        for (int64_t strm = 0; strm < pos->ne[1]; ++strm) {
+            const auto & cells = kv.v_cells[strm];
+            for (int64_t c = 0; c < pos->ne[0]; ++c) {
+                p[strm * pos->ne[0] + c] = cells.is_empty((uint32_t) c) ? 0 : cells.pos_get((uint32_t) c);
+            }
+        }
+    }
     if (!buffered) {
         std::vector<float> main(ggml_nelements(dst));
         fill_main(main.data(), dst->ne[0]);
@@ -717,6 +753,10 @@ ggml_tensor * llama_kvcomp_buffer::shift_rows(const llama_kv_cache & kv, ggml_co
 ggml_tensor * llama_kvcomp_buffer::build_shift_main(const llama_kv_cache & kv, ggml_context * ctx0, const llama_cparams & cparams,
                                                     ggml_tensor * k_view, ggml_tensor * shift, ggml_tensor * rot,
                                                     ggml_tensor * factors, float freq_base, float freq_scale, uint32_t il) const {
+    if (plans && plans->has_rope(layer_of_il[il])) {
+        // rows before RoPE do not move: attention turns them to the cells' new positions
+        return shift;
+    }
     if (!tracker) {
         return kv.build_rope_shift(cparams, ctx0, k_view, shift, rot, factors, freq_base, freq_scale, il);
     }

@@ -59,10 +59,10 @@ struct llama_kvcomp_buffer {
     // Whether kv can take a ubatch: a kvct K cache needs its plans (reason logged when not).
     static bool ready(const llama_kv_cache & kv);
 
-    // Whether a RoPE shift of the cached K rows is possible (llama_memory_can_shift): not for
-    // kvct rows, coded after RoPE with plans, which a shift would have to decode, turn and
-    // code again (not built; docs/formats.md)
-    bool can_shift() const { return !plans; }
+    // Whether a RoPE shift of the cached K rows is possible (llama_memory_can_shift): kvct rows
+    // coded before RoPE only change position; rows coded after RoPE (statistics of version 1)
+    // would have to be decoded, turned and coded again (not built; docs/formats.md)
+    bool can_shift() const { return !plans || plans->pre_rope(); }
 
     // one row per layer of this cache and KV head, for the monitor
     void head_snapshots(const llama_kv_cache & kv, std::vector<llama_kvcomp_head_snapshot> & out) const;
@@ -179,7 +179,9 @@ private:
     void free_slot(stream_map & m, uint32_t s);
     void set_slot(stream_map & m, uint32_t s, uint32_t cell, llama_pos pos, slot_kind kind);
     // row `row` of cache layer ib's K or V to F32 (kvct K through its plans)
-    void main_row_f32(const ggml_tensor * main, int32_t ib, bool is_k, uint64_t row, std::vector<uint8_t> & raw, float * y) const;
+    void main_row_f32(const ggml_tensor * main, int32_t ib, bool is_k, uint64_t row, llama_pos pos, std::vector<uint8_t> & raw,
+                      float * y) const;
+    ggml_tensor * pre_rope_rows(ggml_context * ctx, ggml_tensor * cur, int32_t ib) const;
     float measure(const llama_kv_cache & kv, uint32_t strm, uint32_t s) const;
     void pin_or_free(stream_map & m, uint32_t s);
     void apply_stream(const llama_kv_cache & kv, uint32_t strm, const std::vector<uint32_t> & cells_ub,
@@ -213,6 +215,9 @@ private:
     // I64: the slot rows of the rows the tracker stores again
     ggml_tensor * reencode_slots = nullptr;
     char graph_ids[4] = {};
+
+    // per cache layer: a K that is not a RoPE the plans follow was reported
+    mutable std::vector<bool> rope_warned;
 
     // per slot row: the RoPE shift of its cell, for build_shift
     ggml_tensor * shift_input = nullptr;

@@ -27,12 +27,15 @@ std::shared_ptr<llama_kvcomp_kstats> llama_kvcomp_kstats::load(const std::string
     const int64_t k_neox = key(LLAMA_KVCOMP_KSTATS_KEY_NEOX, GGUF_TYPE_BOOL);
     if (k_ver < 0 || k_arch < 0 || k_ntok < 0 || k_neox < 0) {
         err = "'" + path + "' is not a kvcomp K statistics file (llama-kvcomp-calibrate writes one)";
-    } else if (gguf_get_val_u32(g, k_ver) != LLAMA_KVCOMP_KSTATS_VERSION) {
-        err = "'" + path + "' has statistics version " + std::to_string(gguf_get_val_u32(g, k_ver)) + ", this build reads " +
+    } else if (gguf_get_val_u32(g, k_ver) < 1 || gguf_get_val_u32(g, k_ver) > LLAMA_KVCOMP_KSTATS_VERSION) {
+        err = "'" + path + "' has statistics version " + std::to_string(gguf_get_val_u32(g, k_ver)) + ", this build reads 1 to " +
               std::to_string(LLAMA_KVCOMP_KSTATS_VERSION);
+    } else if (gguf_get_val_u32(g, k_ver) >= 2 && key(LLAMA_KVCOMP_KSTATS_KEY_PRE, GGUF_TYPE_BOOL) < 0) {
+        err = "'" + path + "' does not say whether K was measured before RoPE (" LLAMA_KVCOMP_KSTATS_KEY_PRE ")";
     } else {
         out->arch     = gguf_get_val_str(g, k_arch);
         out->n_tokens = gguf_get_val_u64(g, k_ntok);
+        out->pre_rope = gguf_get_val_u32(g, k_ver) >= 2 && gguf_get_val_bool(g, key(LLAMA_KVCOMP_KSTATS_KEY_PRE, GGUF_TYPE_BOOL));
         const bool neox = gguf_get_val_bool(g, k_neox);
         for (int il = 0; err.empty(); ++il) {
             char name[GGML_MAX_NAME];
@@ -109,7 +112,7 @@ llama_kvcomp_plans::llama_kvcomp_plans(const std::vector<layer_desc> & layers, c
             const auto & hd = sl.heads[h];
             const kvc_t_stats st = { (int32_t) d, (const int16_t (*)[2]) hd.pair.data(), hd.mean.data(),
                                      (const float (*)[3]) hd.k2.data(), (const float (*)[3]) hd.w.data() };
-            if (!kvc_t_plan_fit(&lp[h], &st, KVC_T_BASIS_POOLED, bits)) {
+            if (!kvc_t_plan_fit(&lp[h], &st, stats.pre_rope ? KVC_T_BASIS_PAIR_AXES : KVC_T_BASIS_POOLED, bits)) {
                 throw std::runtime_error(where + "KV head " + std::to_string(h) + ": '" + stats.path +
                                          "' has statistics no plan can be fitted to (non-finite or negative values)");
             }
@@ -118,14 +121,21 @@ llama_kvcomp_plans::llama_kvcomp_plans(const std::vector<layer_desc> & layers, c
         row_size.push_back(ggml_row_size(l.k->type, d));
     }
 
-    ggml_init_params ip = { n_layer * ggml_tensor_overhead(), nullptr, true };
+    ropes.resize(n_layer);
+    std::memset(ropes.data(), 0, n_layer * sizeof(kvc_t_rope));
+
+    ggml_init_params ip = { (n_layer + 1) * ggml_tensor_overhead(), nullptr, true };
     ctx = ggml_init(ip);
     if (!ctx) {
         throw std::runtime_error("kvcomp: failed to create the plans' context");
     }
     for (size_t ib = 0; ib < n_layer; ++ib) {
-        tensors.push_back(ggml_new_tensor_1d(ctx, GGML_TYPE_I8, (int64_t) (plans[ib].size() * sizeof(kvc_t_plan))));
+        tensors.push_back(ggml_new_tensor_1d(ctx, GGML_TYPE_I8, (int64_t) (plans[ib].size() * sizeof(kvc_t_plan) + sizeof(kvc_t_rope))));
         ggml_format_name(tensors.back(), "kvcomp_plans_l%d", layers[ib].il);
+    }
+    if (stats.pre_rope && n_layer > 0) {
+        pos = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, layers[0].k->ne[1], layers[0].k->ne[2]);
+        ggml_set_name(pos, "kvcomp_cell_pos");
     }
     // the kernels that read them run on the CPU
     buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
@@ -135,7 +145,9 @@ llama_kvcomp_plans::llama_kvcomp_plans(const std::vector<layer_desc> & layers, c
     }
     uint64_t hv = 1469598103934665603ull; // FNV-1a over every plan's bytes
     for (size_t ib = 0; ib < n_layer; ++ib) {
-        ggml_backend_tensor_set(tensors[ib], plans[ib].data(), 0, ggml_nbytes(tensors[ib]));
+        const size_t nb = plans[ib].size() * sizeof(kvc_t_plan);
+        ggml_backend_tensor_set(tensors[ib], plans[ib].data(), 0, nb);
+        ggml_backend_tensor_set(tensors[ib], &ropes[ib], nb, sizeof(kvc_t_rope));
         const uint8_t * p = (const uint8_t *) plans[ib].data();
         for (size_t i = 0; i < plans[ib].size() * sizeof(kvc_t_plan); ++i) {
             hv = (hv ^ p[i]) * 1099511628211ull;
@@ -153,10 +165,45 @@ size_t llama_kvcomp_plans::nbytes() const {
     return buf ? ggml_backend_buffer_get_size(buf) : 0;
 }
 
-void llama_kvcomp_plans::row_to_f32(int32_t ib, const uint8_t * x, float * y) const {
-    for (const kvc_t_plan & p : plans[ib]) {
-        dequantize_row_kvct(&p, x, y);
+bool llama_kvcomp_plans::set_rope(int32_t ib, const ggml_tensor * node) {
+    const kvc_t_plan & p0 = plans[ib][0];
+    std::vector<float> factors;
+    if (const ggml_tensor * ff = node->src[2]) {
+        if (ff->type != GGML_TYPE_F32 || ggml_nelements(ff) < p0.d / 2) {
+            return false;
+        }
+        factors.resize(p0.d / 2);
+        ggml_backend_tensor_get(ff, factors.data(), 0, factors.size() * sizeof(float));
+    }
+    kvc_t_rope r;
+    if (!pre_rope() || node->op != GGML_OP_ROPE ||
+        !kvc_t_rope_from_op(&r, (const int32_t *) node->op_params, factors.empty() ? nullptr : factors.data(), p0.d)) {
+        return false;
+    }
+    // the plans' pairs are RoPE's (NEOX: (p, p + d/2))
+    const bool neox = (((const int32_t *) node->op_params)[2] & GGML_ROPE_TYPE_NEOX) != 0;
+    if (p0.pair[1][0] != (neox ? 1 : 2)) {
+        return false;
+    }
+    if (ropes[ib].n_pairs == 0 || std::memcmp(&ropes[ib], &r, sizeof(r)) != 0) {
+        ropes[ib] = r;
+        ggml_backend_tensor_set(tensors[ib], &r, plans[ib].size() * sizeof(kvc_t_plan), sizeof(r));
+    }
+    return true;
+}
+
+void llama_kvcomp_plans::row_to_f32(int32_t ib, const uint8_t * x, float * y, int64_t p) const {
+    const kvc_t_rope & r = ropes[ib];
+    float c[KVC_T_MAX_D / 2], s[KVC_T_MAX_D / 2];
+    if (r.n_pairs > 0) {
+        kvc_t_rope_cs(&r, p, c, s);
+    }
+    for (const kvc_t_plan & pl : plans[ib]) {
+        dequantize_row_kvct(&pl, x, y);
+        if (r.n_pairs > 0) {
+            kvc_t_rope_row(&pl, c, s, 0, y);
+        }
         x += row_size[ib];
-        y += p.d;
+        y += pl.d;
     }
 }

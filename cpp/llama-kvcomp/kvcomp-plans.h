@@ -18,8 +18,9 @@
 #include <string>
 #include <vector>
 
-// A statistics file (GGUF): per model layer and KV head, per RoPE pair of K's channels after
-// RoPE, the mean of each channel, the centred second moments and the queries' weight.
+// A statistics file (GGUF): per model layer and KV head, per RoPE pair of K's channels before
+// RoPE (version 1: after RoPE), the mean of each channel, the centred second moments and the
+// queries' weight.
 struct llama_kvcomp_kstats {
     struct head {
         std::vector<int16_t> pair; // [d/2][2]
@@ -34,7 +35,8 @@ struct llama_kvcomp_kstats {
     std::string        path;
     std::string        arch;
     uint64_t           n_tokens = 0;
-    std::vector<layer> layers; // by model layer
+    bool               pre_rope = false; // K measured before RoPE (plans turn rows per key)
+    std::vector<layer> layers;           // by model layer
 
     // nullptr and the reason in err when the file cannot be read or is damaged
     static std::shared_ptr<llama_kvcomp_kstats> load(const std::string & path, std::string & err);
@@ -55,11 +57,24 @@ struct llama_kvcomp_plans {
     llama_kvcomp_plans(const std::vector<layer_desc> & layers, const llama_kvcomp_kstats & stats);
     ~llama_kvcomp_plans();
 
-    // cache layer ib: its plans as a tensor ([n_head_kv * sizeof(kvc_t_plan)] I8)
+    // cache layer ib: its plans as a tensor ([n_head_kv * sizeof(kvc_t_plan) + sizeof(kvc_t_rope)] I8)
     ggml_tensor * tensor(int32_t ib) const { return tensors[ib]; }
 
-    // One row of the K cache (every KV head, the layout of the cache's K rows) to F32.
-    void row_to_f32(int32_t ib, const uint8_t * x, float * y) const;
+    // Plans fitted before RoPE: the cache codes K as the model computed it before RoPE, and
+    // attention turns each row to its cell's position (the cells' positions are in
+    // positions(), I32 [cells, streams], which the cache fills before every ubatch). A RoPE
+    // shift of the cache then only moves positions.
+    bool pre_rope() const { return pos != nullptr; }
+    ggml_tensor * positions() const { return pos; }
+
+    // Cache layer ib's RoPE, from the graph's RoPE node of K (op_params, frequency factors):
+    // false, leaving the layer as it was, for a RoPE the plans' pairs cannot follow.
+    bool set_rope(int32_t ib, const ggml_tensor * rope_node);
+    bool has_rope(int32_t ib) const { return ropes[ib].n_pairs > 0; }
+
+    // One row of the K cache (every KV head, the layout of the cache's K rows) to F32, turned
+    // to position p when the layer's rows were coded before RoPE.
+    void row_to_f32(int32_t ib, const uint8_t * x, float * y, int64_t p) const;
 
     // A hash of every plan's bytes: a state saved under other plans is told apart.
     uint64_t fingerprint() const { return hash; }
@@ -67,7 +82,9 @@ struct llama_kvcomp_plans {
 
 private:
     std::vector<std::vector<kvc_t_plan>> plans; // [cache layer][KV head]
+    std::vector<kvc_t_rope> ropes;              // [cache layer], n_pairs 0 until set_rope
     std::vector<ggml_tensor *> tensors;
+    ggml_tensor * pos = nullptr;
     std::vector<size_t> row_size; // bytes of one head's row, per cache layer
     uint64_t hash = 0;
     ggml_context *        ctx = nullptr;
@@ -75,7 +92,8 @@ private:
 };
 
 // The GGUF keys and tensor names of a statistics file, shared with the tool that writes it.
-#define LLAMA_KVCOMP_KSTATS_VERSION    1
+#define LLAMA_KVCOMP_KSTATS_VERSION    2 // 1: K after RoPE, still read
+#define LLAMA_KVCOMP_KSTATS_KEY_PRE    "kvcomp.kstats.pre_rope"
 #define LLAMA_KVCOMP_KSTATS_KEY_VER    "kvcomp.kstats.version"
 #define LLAMA_KVCOMP_KSTATS_KEY_ARCH   "kvcomp.kstats.architecture"
 #define LLAMA_KVCOMP_KSTATS_KEY_NTOK   "kvcomp.kstats.n_tokens"

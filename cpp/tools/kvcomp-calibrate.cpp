@@ -1,7 +1,8 @@
 // K statistics for the kvct cache types (docs/formats.md, "kvct"): runs a text through the
 // model with an exact cache and writes, per layer and KV head, what a kvct plan is fitted
-// from (cpp/llama-kvcomp/kvcomp-plans.h): per RoPE pair of K's channels after RoPE, the
-// channels' means and centred second moments, and the queries' mean energy on the pair (the
+// from (cpp/llama-kvcomp/kvcomp-plans.h): per RoPE pair of K's channels before RoPE (the RoPE
+// output turned back), the channels' means and centred second moments, and the queries' mean
+// energy on the pair, the same before and after RoPE (the
 // weight of an error there). The first positions of every chunk are left out: the attention
 // sinks sit far from the other rows, and the modes keep them exact. So is, in its layer, a
 // token whose Q or K row holds a NaN or Inf (counted in the last line).
@@ -53,6 +54,36 @@ bool read_rows(ggml_tensor * t, std::vector<float> & out) {
     return true;
 }
 
+// K's rows [d, heads, n_tok] of a RoPE output turned back to what the model computed before
+// RoPE (token i of the ubatch is at position i), by the angles the kvct kernels turn them with
+bool unturn_rows(const ggml_tensor * t, std::vector<float> & x) {
+    const int64_t d = t->ne[0], nh = t->ne[1], n_tok = t->ne[2];
+    std::vector<float> factors;
+    if (t->src[2]) {
+        factors.resize(d / 2);
+        ggml_backend_tensor_get(t->src[2], factors.data(), 0, factors.size() * sizeof(float));
+    }
+    kvc_t_rope rope;
+    if (!kvc_t_rope_from_op(&rope, (const int32_t *) t->op_params, factors.empty() ? nullptr : factors.data(), d)) {
+        return false;
+    }
+    const bool neox = (((const int32_t *) t->op_params)[2] & GGML_ROPE_TYPE_NEOX) != 0;
+    kvc_t_plan pairs = {};
+    pairs.d = (int32_t) d;
+    for (int64_t p = 0; p < d / 2; ++p) {
+        pairs.pair[p][0] = (int16_t) (neox ? p : 2 * p);
+        pairs.pair[p][1] = (int16_t) (neox ? p + d / 2 : 2 * p + 1);
+    }
+    std::vector<float> c(d / 2), s(d / 2);
+    for (int64_t tok = 0; tok < n_tok; ++tok) {
+        kvc_t_rope_cs(&rope, tok, c.data(), s.data());
+        for (int64_t h = 0; h < nh; ++h) {
+            kvc_t_rope_row(&pairs, c.data(), s.data(), 1, x.data() + (tok * nh + h) * d);
+        }
+    }
+    return true;
+}
+
 bool calib_eval_cb(ggml_tensor * t, bool ask, void * user_data) {
     calib_state & st = *(calib_state *) user_data;
     const bool is_k = strncmp(t->name, "Kcur-", 5) == 0 && t->op == GGML_OP_ROPE;
@@ -88,6 +119,11 @@ bool calib_eval_cb(ggml_tensor * t, bool ask, void * user_data) {
     layer_sums & l = st.layers[il];
     std::vector<float> x;
     if (!(st.ok = st.ok && read_rows(t, x))) {
+        return false;
+    }
+    if (is_k && !unturn_rows(t, x)) {
+        LOG_ERR("%s: a RoPE the kvct plans cannot follow (multi-section, partial or with an offset)\n", t->name);
+        st.ok = false;
         return false;
     }
     const int64_t t0 = std::min<int64_t>(n_tok, st.skip_first);
@@ -159,6 +195,7 @@ bool write_stats(const calib_state & st, const std::string & arch, uint64_t n_to
     gguf_set_val_str(g, LLAMA_KVCOMP_KSTATS_KEY_ARCH, arch.c_str());
     gguf_set_val_u64(g, LLAMA_KVCOMP_KSTATS_KEY_NTOK, n_tokens);
     gguf_set_val_bool(g, LLAMA_KVCOMP_KSTATS_KEY_NEOX, st.neox == 1);
+    gguf_set_val_bool(g, LLAMA_KVCOMP_KSTATS_KEY_PRE, true);
     for (size_t il = 0; il < st.layers.size(); ++il) {
         const layer_sums & l = st.layers[il];
         if (l.k1.empty() || l.q2.empty() || l.n_k < 2.0 || l.n_q < 1.0 || l.n_head % l.n_kv != 0) {
