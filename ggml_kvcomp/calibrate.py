@@ -30,9 +30,14 @@ def calibration_text() -> Path:
     return out
 
 
+# The statistics' version llama-kvcomp-calibrate writes (2: K before RoPE); a file of an older
+# version is measured again rather than reused.
+KSTATS_VERSION = 2
+
+
 def kstats_path(model: Path) -> Path:
-    """Where a model's statistics are kept: named by the file and its size."""
-    return cache_dir() / "kstats" / f"{model.stem}-{model.stat().st_size}.kstats.gguf"
+    """Where a model's statistics are kept: named by the file, its size and the version."""
+    return cache_dir() / "kstats" / f"{model.stem}-{model.stat().st_size}-v{KSTATS_VERSION}.kstats.gguf"
 
 
 def calibrate(model: Path, out: Path, ctx: int = 512, chunks: int = 24, threads: int = 2,

@@ -13,6 +13,8 @@ from ggml_kvcomp.cli import main as kvcomp_main
 from ggml_kvcomp.kvtypes import KvConfig
 from ggml_kvcomp.perplexity import RunSettings, run_kld
 
+from .server import get, post, server
+
 
 def test_calibrate_writes_statistics(bins: Path, model: Path, tmp_path: Path) -> None:
     out = tmp_path / "k.gguf"
@@ -85,3 +87,23 @@ def test_python_api_opens_a_mode_with_statistics(model: Path) -> None:
     with pytest.raises(RuntimeError, match="set before the cache holds tokens"):
         llm.set_k_stats(m, calibrate.ensure_kstats(model))
     m.close()
+
+
+def test_server_shifts_a_kvct_cache(bins: Path, model: Path, tmp_path: Path) -> None:
+    """K coded before RoPE moves with a context shift by its positions alone: llama-server with
+    `balanced` on K statistics runs past its context, saves and restores a slot, stays up."""
+    kstats = calibrate.ensure_kstats(model)
+    log = tmp_path / "server.log"
+    args = ("--kv-comp", "balanced", "--kv-comp-kstats", str(kstats), "-np", "1", "-c", "256", "--context-shift",
+            "--slot-save-path", str(tmp_path))
+    greedy = {"temperature": 0, "ignore_eos": True}
+    with server(bins, model, *args, log=log) as url:
+        prompt = "The lighthouse keeper counted the ships that passed in the night, and"
+        long = post(f"{url}/completion", {"prompt": prompt, **greedy, "n_predict": 300})
+        assert long["tokens_predicted"] == 300
+        assert "context shift" in log.read_text().lower()
+        saved = post(f"{url}/slots/0?action=save", {"filename": "slot0.bin"})
+        restored = post(f"{url}/slots/0?action=restore", {"filename": "slot0.bin"})
+        assert restored["n_restored"] == saved["n_saved"]
+        status, _ = get(f"{url}/health")
+        assert status == 200

@@ -10,8 +10,11 @@
 //    (the decode kernel: mean KL to f16 within 2x the batched one's);
 //  - state save -> load -> continue is bit-exact; a state saved under other plans, a
 //    truncated and a corrupted state are refused and the context stays usable;
+//  - a context shift (rows coded before RoPE only change position) costs no more than the
+//    cache's own error against an f16 cache shifted alike; statistics of version 1 (after
+//    RoPE) still load, and that cache reports no shift;
 //  - a copied sequence continues like its source, a sequence in a split cache decodes as it
-//    does alone (isolation), and a context shift is reported as unavailable;
+//    does alone (isolation);
 //  - the same with the residual buffer (window 32, 4 sinks) in front of the kvct cache.
 
 #include "kvc-test-util.h"
@@ -31,14 +34,18 @@ namespace {
 // A statistics file for the model's layers; `scale` multiplies every energy (another file,
 // other plans; NaN: statistics of rows that held a NaN), `n_head_kv_extra` makes it one of
 // another shape.
-bool write_stats(const llama_model * model, const std::string & path, float scale, int n_head_kv_extra = 0) {
+bool write_stats(const llama_model * model, const std::string & path, float scale, int n_head_kv_extra = 0, bool pre_rope = true) {
     const int n_layer = llama_model_n_layer(model);
     const int n_kv    = llama_model_n_head_kv(model) + n_head_kv_extra;
     const int d       = llama_model_n_embd(model) / llama_model_n_head(model);
     ggml_init_params ip = { (size_t) n_layer * (ggml_tensor_overhead() + (size_t) n_kv * d / 2 * 8 * sizeof(float)) + 4096, nullptr, false };
     ggml_context * ctx = ggml_init(ip);
     gguf_context * g = gguf_init_empty();
-    gguf_set_val_u32(g, LLAMA_KVCOMP_KSTATS_KEY_VER, LLAMA_KVCOMP_KSTATS_VERSION);
+    // version 1 held K after RoPE and had no pre_rope key
+    gguf_set_val_u32(g, LLAMA_KVCOMP_KSTATS_KEY_VER, pre_rope ? LLAMA_KVCOMP_KSTATS_VERSION : 1);
+    if (pre_rope) {
+        gguf_set_val_bool(g, LLAMA_KVCOMP_KSTATS_KEY_PRE, true);
+    }
     gguf_set_val_str(g, LLAMA_KVCOMP_KSTATS_KEY_ARCH, "test");
     gguf_set_val_u64(g, LLAMA_KVCOMP_KSTATS_KEY_NTOK, 1000);
     gguf_set_val_bool(g, LLAMA_KVCOMP_KSTATS_KEY_NEOX, false);
@@ -111,7 +118,12 @@ void test_refusals(report & rep, llama_model * model, const std::vector<llama_to
         rep.check(llama_kvcomp_set_k_stats(c.ctx, "stats-a.gguf") == 0 && !decode(c.ctx, toks, 0, 8, 8).empty(),
                   "after the refusals, good statistics load and the context decodes");
         rep.check(llama_kvcomp_set_k_stats(c.ctx, "stats-a.gguf") == -2, "statistics cannot change under cached rows");
-        rep.check(!llama_memory_can_shift(llama_get_memory(c.ctx)), "a kvct cache reports no context shift");
+        rep.check(llama_memory_can_shift(llama_get_memory(c.ctx)), "a kvct cache coded before RoPE can shift");
+    }
+    {
+        ctx_ptr c{ make_kvct(model, "stats-post.gguf") };
+        rep.check(c.ctx && !decode(c.ctx, toks, 0, 8, 8).empty() && !llama_memory_can_shift(llama_get_memory(c.ctx)),
+                  "statistics of version 1 (K after RoPE) still load; such a cache reports no context shift");
     }
     {
         ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4, 1, true, GGML_TYPE_KVCT4) };
@@ -193,6 +205,32 @@ void test_cache(report & rep, llama_model * model, const std::vector<llama_token
         rep.check(read == 0 && !after.empty(), "%s truncated state is refused and the context stays usable", name);
     }
 
+    // Context shift as llama-server does it (sinks kept, 32 positions dropped, the rest moved
+    // back), then one more token: against an f16 cache put through the same, the KL is the
+    // kvct cache's own (the unshifted run's), since rows coded before RoPE only change position.
+    {
+        std::vector<float> shifted[2];
+        for (int i = 0; i < 2; ++i) {
+            ctx_ptr c{ i == 0 ? make_ctx(model, GGML_TYPE_F16) : make_kvct(model, "stats-a.gguf", 1, true, kp) };
+            decode(c.ctx, toks, 0, n_prompt, n_prompt);
+            llama_memory_t mem = llama_get_memory(c.ctx);
+            llama_memory_seq_rm(mem, 0, 4, 36);
+            llama_memory_seq_add(mem, 0, 36, -1, -32);
+            llama_batch b = llama_batch_get_one(const_cast<llama_token *>(&toks[n_prompt]), 1);
+            std::vector<llama_pos> pos = { n_prompt - 32 };
+            b.pos = pos.data();
+            if (llama_decode(c.ctx, b) == 0) {
+                const float * l = llama_get_logits_ith(c.ctx, -1);
+                shifted[i].assign(l, l + n_vocab);
+            }
+        }
+        const double kl_shift = kl_mean_rows(shifted[0], shifted[1], n_vocab);
+        const double kl_own   = kl_mean_rows(std::vector<float>(f16.end() - n_vocab, f16.end()),
+                                             std::vector<float>(by1.end() - n_vocab, by1.end()), n_vocab);
+        rep.check(kl_shift <= 2.0 * kl_own + 2e-3, "%s context shift: KL to f16 shifted alike %.2e <= 2 x %.2e + 2e-3", name,
+                  kl_shift, kl_own);
+    }
+
     // seq_cp, and isolation in a split cache
     {
         ctx_ptr c{ make_kvct(model, "stats-a.gguf", 2, true, kp) };
@@ -235,8 +273,9 @@ int main(int argc, char ** argv) {
     toks.resize(std::max(n, 0));
 
     report rep;
-    rep.check(n >= 170 && write_stats(model, "stats-a.gguf", 1.0f) && write_stats(model, "stats-b.gguf", 2.0f),
-              "prompt of %d tokens and two statistics files", n);
+    rep.check(n >= 170 && write_stats(model, "stats-a.gguf", 1.0f) && write_stats(model, "stats-b.gguf", 2.0f) &&
+              write_stats(model, "stats-post.gguf", 1.0f, 0, false),
+              "prompt of %d tokens and three statistics files", n);
     if (n >= 170) {
         test_refusals(rep, model, toks);
         test_cache(rep, model, toks, nullptr, "kvct4/kvc4");
