@@ -226,7 +226,7 @@ struct fa_src {
             kvc_t_rope_row(plans[hk].plan, c, sn, 0, y);
         } else {
             kvc_t_rope_walk_to(walk, p);
-            kvc_t_rope_row(plans[hk].plan, walk->c, walk->s, 0, y);
+            kvc_t_decoder_turn(&plans[hk], walk->c, walk->s, y);
         }
     }
 

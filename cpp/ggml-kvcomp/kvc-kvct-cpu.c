@@ -16,6 +16,12 @@ void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan) {
         identity = identity && plan->mean[c] == 0.0f;
     }
     dec->identity = identity;
+    bool normal = true, neox = true;
+    for (int32_t p = 0; p < plan->d / 2; ++p) {
+        normal = normal && plan->pair[p][0] == 2 * p && plan->pair[p][1] == 2 * p + 1;
+        neox   = neox && plan->pair[p][0] == p && plan->pair[p][1] == p + plan->d / 2;
+    }
+    dec->pairing = normal ? 1 : neox ? 2 : 0;
     int32_t n = 0;
     int32_t pos = 8;
     for (int32_t c = 0; c < plan->d; ++c) {
@@ -93,4 +99,24 @@ void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos) {
         w->n_step = 0;
     }
     w->pos = pos;
+}
+
+void kvc_t_decoder_turn(const kvc_t_decoder * dec, const float * c, const float * s, float * y) {
+    const int32_t n = dec->plan->d / 2;
+    if (dec->pairing == 1) {
+        for (int32_t p = 0; p < n; ++p) {
+            const float a = y[2 * p], b = y[2 * p + 1];
+            y[2 * p]     = c[p] * a - s[p] * b;
+            y[2 * p + 1] = s[p] * a + c[p] * b;
+        }
+    } else if (dec->pairing == 2) {
+        float * yb = y + n;
+        for (int32_t p = 0; p < n; ++p) {
+            const float a = y[p], b = yb[p];
+            y[p]  = c[p] * a - s[p] * b;
+            yb[p] = s[p] * a + c[p] * b;
+        }
+    } else {
+        kvc_t_rope_row(dec->plan, c, s, 0, y);
+    }
 }

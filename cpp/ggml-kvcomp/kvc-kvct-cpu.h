@@ -18,6 +18,7 @@ typedef struct {
     const kvc_t_plan * plan;
     int32_t n;         // coded coefficients (bits > 0), in the row's order
     bool    identity;  // no rotation and no mean: the coefficients are the row's values
+    int32_t pairing;   // RoPE's pairs: 1 (2p, 2p+1), 2 NEOX (p, p + d/2), 0 any other
     size_t  row_bytes;
     int32_t j[KVC_T_MAX_D];     // the coefficient's channel
     int32_t boff[KVC_T_MAX_D];  // byte of its first bit
@@ -43,6 +44,10 @@ typedef struct {
 
 void kvc_t_rope_walk_init(kvc_t_rope_walk * w, const kvc_t_rope * rope);
 void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos);
+
+// Turns a decoded row in place by the angles (c, s) of its position (kvc_t_rope_row's result;
+// RoPE's own pairings in one pass the compiler vectorizes).
+void kvc_t_decoder_turn(const kvc_t_decoder * dec, const float * c, const float * s, float * y);
 
 // The row's values: the floats dequantize_row_kvct gives (the same products in the same order).
 void kvc_t_decoder_row(const kvc_t_decoder * dec, const uint8_t * x, float * y);
