@@ -73,10 +73,10 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     }
     reencode_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, std::max<int64_t>(1, this->tracker ? this->tracker->n_reencode_max() : 0));
     k_written.assign(k_buf.size(), nullptr);
-    rope_warned.assign(kv.layers.size(), false);
     v_written.assign(k_buf.size(), nullptr);
     k_cur.assign(k_buf.size(), nullptr);
     v_cur.assign(k_buf.size(), nullptr);
+    rope_warned.assign(k_buf.size(), false);
 
     // the slots live next to the cache they shadow
     buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_buffer_get_type(kv.layers[0].k->buffer));
@@ -505,11 +505,12 @@ ggml_tensor * llama_kvcomp_buffer::cpy(ggml_context * ctx0, ggml_tensor * cache,
 ggml_tensor * llama_kvcomp_buffer::pre_rope_rows(ggml_context * ctx0, ggml_tensor * cur, int32_t ib) const {
     const ggml_tensor * rope = cur->op == GGML_OP_VIEW && cur->view_offs == 0 ? cur->src[0] : nullptr;
     if (!rope || rope->op != GGML_OP_ROPE || !ggml_are_same_shape(rope, rope->src[0]) || !plans->set_rope(ib, rope)) {
-        if (plans->has_rope(ib) || !rope_warned[ib]) {
+        if (!rope_warned[ib]) {
             LLAMA_LOG_WARN("kvcomp: cache layer %d: K does not come from a RoPE the kvct plans follow; its rows are coded "
                            "after RoPE\n", ib);
             rope_warned[ib] = true;
         }
+        // a model's graphs build K alike, so a layer never has rows of both kinds
         GGML_ASSERT(!plans->has_rope(ib) && "kvcomp: a layer's K changed from RoPE rows to others within one context");
         return cur;
     }
