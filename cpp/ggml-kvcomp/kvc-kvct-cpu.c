@@ -67,8 +67,21 @@ void kvc_t_decoder_row(const kvc_t_decoder * dec, const uint8_t * x, float * y) 
             out[c] = levels[dec->lvl[i] + (int32_t) kvc_t_code(dec, buf, i)] * plan->sigma[c] * s;
         }
     }
-    if (!dec->identity) {
+    if (dec->identity) {
+        return;
+    }
+    const int32_t n = plan->d / 2;
+    const int32_t ia = dec->pairing == 1 ? 2 : 1, ib = dec->pairing == 1 ? 1 : n;
+    if (dec->pairing == 0) {
         kvc_t_inverse(plan, v, y);
+        return;
+    }
+    // kvc_t_inverse over RoPE's own pairing: channel a of pair p is ia * p, b is a + ib
+    for (int32_t p = 0; p < n; ++p) {
+        const int32_t a = ia * p, b = a + ib;
+        const float rc = plan->rot[p][0], rs = plan->rot[p][1];
+        y[a] = rc * v[a] - rs * v[b] + plan->mean[a];
+        y[b] = rs * v[a] + rc * v[b] + plan->mean[b];
     }
 }
 
@@ -76,10 +89,6 @@ void kvc_t_rope_walk_init(kvc_t_rope_walk * w, const kvc_t_rope * rope) {
     w->rope   = rope;
     w->pos    = INT64_MIN;
     w->n_step = 0;
-    for (int32_t p = 0; p < rope->n_pairs; ++p) {
-        w->step_c[p] = (float) cos((double) rope->theta[p]);
-        w->step_s[p] = (float) sin((double) rope->theta[p]);
-    }
 }
 
 void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos) {
@@ -88,10 +97,12 @@ void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos) {
     }
     const int32_t n = w->rope->n_pairs;
     if (w->pos != INT64_MIN && pos == w->pos + 1 && w->n_step < KVC_T_ROPE_RESYNC) {
+        const float * sc = w->rope->step_c;
+        const float * ss = w->rope->step_s;
         for (int32_t p = 0; p < n; ++p) {
             const float c = w->c[p], s = w->s[p];
-            w->c[p] = c * w->step_c[p] - s * w->step_s[p];
-            w->s[p] = s * w->step_c[p] + c * w->step_s[p];
+            w->c[p] = c * sc[p] - s * ss[p];
+            w->s[p] = s * sc[p] + c * ss[p];
         }
         w->n_step++;
     } else {

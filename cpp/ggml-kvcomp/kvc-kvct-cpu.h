@@ -32,13 +32,12 @@ void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan);
 // The angles of one key position after another: a key one position after the last is turned
 // from the last one's angles by one step (exact ones again every KVC_T_ROPE_RESYNC steps), any
 // other position from kvc_t_rope_cs. Keys come in cell order, mostly one position apart.
-#define KVC_T_ROPE_RESYNC 32
+#define KVC_T_ROPE_RESYNC 256
 
 typedef struct {
     const kvc_t_rope * rope;
     int64_t pos;    // the position of c and s (INT64_MIN: none yet)
     int32_t n_step; // steps since they were exact
-    float   step_c[KVC_T_MAX_D / 2], step_s[KVC_T_MAX_D / 2]; // one position's turn
     float   c[KVC_T_MAX_D / 2], s[KVC_T_MAX_D / 2];
 } kvc_t_rope_walk;
 
