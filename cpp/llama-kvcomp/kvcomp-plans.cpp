@@ -121,9 +121,6 @@ llama_kvcomp_plans::llama_kvcomp_plans(const std::vector<layer_desc> & layers, c
         row_size.push_back(ggml_row_size(l.k->type, d));
     }
 
-    ropes.resize(n_layer);
-    std::memset(ropes.data(), 0, n_layer * sizeof(kvc_t_rope));
-
     ggml_init_params ip = { (n_layer + 1) * ggml_tensor_overhead(), nullptr, true };
     ctx = ggml_init(ip);
     if (!ctx) {
@@ -144,10 +141,12 @@ llama_kvcomp_plans::llama_kvcomp_plans(const std::vector<layer_desc> & layers, c
         throw std::runtime_error("kvcomp: failed to allocate the plans");
     }
     uint64_t hv = 1469598103934665603ull; // FNV-1a over every plan's bytes
+    kvc_t_rope none;
+    std::memset(&none, 0, sizeof(none));
     for (size_t ib = 0; ib < n_layer; ++ib) {
         const size_t nb = plans[ib].size() * sizeof(kvc_t_plan);
         ggml_backend_tensor_set(tensors[ib], plans[ib].data(), 0, nb);
-        ggml_backend_tensor_set(tensors[ib], &ropes[ib], nb, sizeof(kvc_t_rope));
+        ggml_backend_tensor_set(tensors[ib], &none, nb, sizeof(kvc_t_rope));
         const uint8_t * p = (const uint8_t *) plans[ib].data();
         for (size_t i = 0; i < plans[ib].size() * sizeof(kvc_t_plan); ++i) {
             hv = (hv ^ p[i]) * 1099511628211ull;
@@ -185,15 +184,14 @@ bool llama_kvcomp_plans::set_rope(int32_t ib, const ggml_tensor * node) {
     if (p0.pair[1][0] != (neox ? 1 : 2)) {
         return false;
     }
-    if (ropes[ib].n_pairs == 0 || std::memcmp(&ropes[ib], &r, sizeof(r)) != 0) {
-        ropes[ib] = r;
+    if (std::memcmp(&rope(ib), &r, sizeof(r)) != 0) {
         ggml_backend_tensor_set(tensors[ib], &r, plans[ib].size() * sizeof(kvc_t_plan), sizeof(r));
     }
     return true;
 }
 
 void llama_kvcomp_plans::row_to_f32(int32_t ib, const uint8_t * x, float * y, int64_t p) const {
-    const kvc_t_rope & r = ropes[ib];
+    const kvc_t_rope & r = rope(ib);
     float c[KVC_T_MAX_D / 2], s[KVC_T_MAX_D / 2];
     if (r.n_pairs > 0) {
         kvc_t_rope_cs(&r, p, c, s);

@@ -70,7 +70,7 @@ struct llama_kvcomp_plans {
     // Cache layer ib's RoPE, from the graph's RoPE node of K (op_params, frequency factors):
     // false, leaving the layer as it was, for a RoPE the plans' pairs cannot follow.
     bool set_rope(int32_t ib, const ggml_tensor * rope_node);
-    bool has_rope(int32_t ib) const { return ropes[ib].n_pairs > 0; }
+    bool has_rope(int32_t ib) const { return rope(ib).n_pairs > 0; }
 
     // One row of the K cache (every KV head, the layout of the cache's K rows) to F32, turned
     // to position p when the layer's rows were coded before RoPE.
@@ -82,7 +82,10 @@ struct llama_kvcomp_plans {
 
 private:
     std::vector<std::vector<kvc_t_plan>> plans; // [cache layer][KV head]
-    std::vector<kvc_t_rope> ropes;              // [cache layer], n_pairs 0 until set_rope
+    // cache layer ib's RoPE, after its plans in its (host) tensor; n_pairs 0 until set_rope
+    const kvc_t_rope & rope(int32_t ib) const {
+        return *(const kvc_t_rope *) ((const char *) tensors[ib]->data + plans[ib].size() * sizeof(kvc_t_plan));
+    }
     std::vector<ggml_tensor *> tensors;
     ggml_tensor * pos = nullptr;
     std::vector<size_t> row_size; // bytes of one head's row, per cache layer
