@@ -208,32 +208,35 @@ struct fa_src {
     // plans); a row coded before RoPE is turned to its key's position, through `walk` (which
     // rope set up) or, for the reference, from the exact angles
     void row_f32(row_to_f32_t to_f32, int64_t j, int64_t hk, int64_t s, float * y, int64_t d, kvc_t_rope_walk * walk) const {
-        if (plans && ref) {
-            dequantize_row_kvct(plans[hk].plan, (const uint8_t *) row(j, hk, s), y);
-        } else if (plans) {
-            kvc_t_decoder_row(&plans[hk], (const uint8_t *) row(j, hk, s), y);
-        } else {
-            to_f32(row(j, hk, s), y, d);
+        const uint8_t * x = (const uint8_t *) row(j, hk, s);
+        if (!plans) {
+            to_f32(x, y, d);
             return;
         }
         if (!rope) {
+            if (ref) {
+                dequantize_row_kvct(plans[hk].plan, x, y);
+            } else {
+                kvc_t_decoder_row(&plans[hk], x, y);
+            }
             return;
         }
         const int64_t p = pos[(s0 + s / r3) * pos_ne0 + j];
         if (ref) {
             float c[KVC_T_MAX_D / 2], sn[KVC_T_MAX_D / 2];
+            dequantize_row_kvct(plans[hk].plan, x, y);
             kvc_t_rope_cs(rope, p, c, sn);
             kvc_t_rope_row(plans[hk].plan, c, sn, 0, y);
         } else {
             kvc_t_rope_walk_to(walk, p);
-            kvc_t_decoder_turn(&plans[hk], walk->c, walk->s, y);
+            kvc_t_decoder_row_at(&plans[hk], x, walk, y);
         }
     }
 
-    // the walk of this source's keys (unused without a RoPE)
-    void walk_init(kvc_t_rope_walk & w) const {
+    // the walk of this source's keys of KV head hk (unused without a RoPE)
+    void walk_init(kvc_t_rope_walk & w, int64_t hk) const {
         if (rope) {
-            kvc_t_rope_walk_init(&w, rope);
+            kvc_t_rope_walk_init(&w, rope, &plans[hk]);
         }
     }
 };
@@ -435,7 +438,7 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
     float sc[KVC_DEC_GROUP][KVC_DEC_TILE];
     float kt[KVC_DEC_MAX_D];
     kvc_t_rope_walk walk;
-    K.walk_init(walk);
+    K.walk_init(walk, hk);
     float vt[KVC_DEC_TILE][KVC_DEC_MAX_D];
 
     for (int64_t t0 = j0; t0 < j1; t0 += KVC_DEC_TILE) {
@@ -658,7 +661,7 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
         const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, ref, is == KVC_FA_SRC_UBATCH);
         const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref, is == KVC_FA_SRC_UBATCH);
         kvc_t_rope_walk walk;
-        K.walk_init(walk);
+        K.walk_init(walk, hk);
 
         for (int64_t j0 = 0; j0 < K.n; j0 += TK) {
             const int nk = (int) std::min(TK, K.n - j0);
