@@ -20,7 +20,7 @@
 // "KVCB": the buffer's part of a state, after upstream's cells
 static constexpr uint32_t KVCOMP_STATE_MAGIC   = 0x4243564b;
 // 4: the tracker part holds a K offset per stream (3: one for all, 2: channel scales too)
-static constexpr uint32_t KVCOMP_STATE_VERSION = 5;
+static constexpr uint32_t KVCOMP_STATE_VERSION = 6;
 
 llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max,
                                          std::shared_ptr<llama_kvcomp_tracker> tracker)
@@ -841,6 +841,14 @@ void llama_kvcomp_buffer::state_write(llama_io_write_i & io, const llama_kv_cach
     // which plans coded the kvct K rows (0: not a kvct cache)
     const uint64_t plans_id = plans ? plans->fingerprint() : 0;
     io.write(&plans_id, sizeof(plans_id));
+    if (plans) {
+        // the plans themselves, so that a context under other plans can re-code the rows
+        const std::vector<kvc_t_plan> all = plans->all();
+        const uint32_t pre = plans->pre_rope() ? 1 : 0, n_plans = (uint32_t) all.size();
+        io.write(&pre, sizeof(pre));
+        io.write(&n_plans, sizeof(n_plans));
+        io.write(all.data(), all.size() * sizeof(kvc_t_plan));
+    }
 
     // the cells upstream saves: those of the sequence (all, for -1), less the ones a sliding
     // window already hides
@@ -954,10 +962,20 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
         }
         uint64_t plans_id = 0;
         io.read(&plans_id, sizeof(plans_id));
-        if (plans_id != (plans ? plans->fingerprint() : 0)) {
+        if ((plans_id != 0) != (plans != nullptr)) {
             throw std::runtime_error(plans_id == 0 ? "the state's K rows were not coded with kvct plans" :
-                                     "the state's kvct K rows were coded with other plans: load it with the K statistics it was "
-                                     "saved with (--kv-comp-kstats)");
+                                     "the state's K rows are kvct, this cache's are not");
+        }
+        uint32_t saved_pre = 0, n_plans = 0;
+        std::vector<kvc_t_plan> saved;
+        if (plans_id != 0) {
+            io.read(&saved_pre, sizeof(saved_pre));
+            io.read(&n_plans, sizeof(n_plans));
+            if (saved_pre > 1 || n_plans != plans->all().size()) {
+                throw std::runtime_error("the state's kvct plans are corrupted or for another model");
+            }
+            saved.resize(n_plans);
+            io.read(saved.data(), saved.size() * sizeof(kvc_t_plan));
         }
 
         // the K offsets the restored rows were stored with, per stream
@@ -972,6 +990,9 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
                 t.cells.push_back((uint64_t) t.strm * kv.get_size() + c);
             }
             t.replace = seq_id == -1 || kv.v_cells[t.strm].get_used() <= t.cells.size();
+        }
+        if (plans && plans_id != plans->fingerprint()) {
+            recode_rows(io, kv, saved, saved_pre != 0, targets);
         }
         uint32_t has_tracker = 0;
         io.read(&has_tracker, sizeof(has_tracker));
@@ -1063,6 +1084,31 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
         }
         throw std::runtime_error(std::string("kvcomp: ") + e.what());
     }
+}
+
+void llama_kvcomp_buffer::recode_rows(llama_io_read_i & io, llama_kv_cache & kv, const std::vector<kvc_t_plan> & saved,
+                                      bool saved_pre_rope, const std::vector<llama_kvcomp_tracker::restore_target> & targets) {
+    // upstream's reader of host memory applies the restored rows at its end: now, before they
+    // are read back; a reader that cannot (the device's) leaves them unread
+    if (!io.flush()) {
+        throw std::runtime_error("the state's kvct K rows were coded with other plans, and this reader cannot re-code them: "
+                                 "load it with the K statistics it was saved with (--kv-comp-kstats)");
+    }
+    std::vector<uint64_t> rows;
+    for (const auto & t : targets) {
+        rows.insert(rows.end(), t.cells.begin(), t.cells.end());
+    }
+    size_t off = 0;
+    for (size_t ib = 0; ib < kv.layers.size(); ++ib) {
+        const size_t n = plans->n_head((int32_t) ib);
+        const std::string err = plans->recode((int32_t) ib, kv.layers[ib].k, saved.data() + off, n, saved_pre_rope, rows);
+        if (!err.empty()) {
+            throw std::runtime_error("the state's kvct K rows were coded with other plans and cannot be re-coded (" + err +
+                                     "): load it with the K statistics it was saved with (--kv-comp-kstats)");
+        }
+        off += n;
+    }
+    LLAMA_LOG_INFO("kvcomp: %zu restored K rows were coded with other plans: re-coded with this context's\n", rows.size());
 }
 
 llama_kvcomp_stats llama_kvcomp_buffer::get_stats() const {

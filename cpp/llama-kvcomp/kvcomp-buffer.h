@@ -151,6 +151,11 @@ struct llama_kvcomp_buffer {
                                     const llama_kv_cache::slot_info_vec_t & sinfos);
 
 private:
+    // state_read of a state whose kvct K rows were coded with other plans (`saved`, every
+    // layer's): its restored rows (targets) decoded with those and coded with this context's
+    void recode_rows(llama_io_read_i & io, llama_kv_cache & kv, const std::vector<kvc_t_plan> & saved, bool saved_pre_rope,
+                     const std::vector<llama_kvcomp_tracker::restore_target> & targets);
+
     enum slot_kind : uint8_t {
         SLOT_KIND_FREE,
         SLOT_KIND_ROW,    // an exact row, released once no query sees it exactly

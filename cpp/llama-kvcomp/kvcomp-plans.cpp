@@ -152,7 +152,46 @@ llama_kvcomp_plans::llama_kvcomp_plans(const std::vector<layer_desc> & layers, c
             hv = (hv ^ p[i]) * 1099511628211ull;
         }
     }
-    hash = hv;
+    // the same plans read rows coded before RoPE differently from rows coded after it
+    hash = (hv ^ (stats.pre_rope ? 1u : 0u)) * 1099511628211ull;
+}
+
+std::vector<kvc_t_plan> llama_kvcomp_plans::all() const {
+    std::vector<kvc_t_plan> out;
+    for (const auto & lp : plans) {
+        out.insert(out.end(), lp.begin(), lp.end());
+    }
+    return out;
+}
+
+std::string llama_kvcomp_plans::recode(int32_t ib, ggml_tensor * k, const kvc_t_plan * from, size_t n_from,
+                                       bool from_pre_rope, const std::vector<uint64_t> & rows) const {
+    const std::vector<kvc_t_plan> & to = plans[ib];
+    if (from_pre_rope != pre_rope()) {
+        // the rows would have to be turned by their cells' positions as well
+        return std::string("its K rows were coded ") + (from_pre_rope ? "before" : "after") + " RoPE, this context's " +
+               (pre_rope() ? "before" : "after");
+    }
+    if (n_from != to.size()) {
+        return "its plans are for " + std::to_string(n_from) + " KV heads, the cache has " + std::to_string(to.size());
+    }
+    for (size_t h = 0; h < n_from; ++h) {
+        if (!kvc_t_plan_valid(&from[h]) || from[h].d != to[h].d || from[h].row_bits != to[h].row_bits) {
+            return "its plans are damaged or for another shape";
+        }
+    }
+    const size_t rs = row_size[ib];
+    std::vector<uint8_t> raw(k->nb[1]);
+    std::vector<float> x(KVC_T_MAX_D);
+    for (uint64_t r : rows) {
+        ggml_backend_tensor_get(k, raw.data(), r * k->nb[1], raw.size());
+        for (size_t h = 0; h < to.size(); ++h) {
+            dequantize_row_kvct(&from[h], raw.data() + h * rs, x.data());
+            quantize_row_kvct_ref(&to[h], x.data(), raw.data() + h * rs);
+        }
+        ggml_backend_tensor_set(k, raw.data(), r * k->nb[1], raw.size());
+    }
+    return "";
 }
 
 llama_kvcomp_plans::~llama_kvcomp_plans() {

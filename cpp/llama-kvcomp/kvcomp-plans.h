@@ -78,6 +78,19 @@ struct llama_kvcomp_plans {
 
     // A hash of every plan's bytes: a state saved under other plans is told apart.
     uint64_t fingerprint() const { return hash; }
+
+    // Every layer's plans, one after the other: what a state carries, so that a context under
+    // other plans can read its rows (recode).
+    std::vector<kvc_t_plan> all() const;
+
+    // Re-codes rows `rows` of cache layer ib's K tensor k, coded with `from` (that layer's plans
+    // in another context's all(), one per KV head), with this context's plans. Decoding then
+    // coding again loses what a second quantization loses (test-kvc-plans bounds it). Returns
+    // the reason `from` cannot be read here ("" when the rows were re-coded): plans of another
+    // shape, invalid ones, or rows coded on the other side of RoPE.
+    std::string recode(int32_t ib, ggml_tensor * k, const kvc_t_plan * from, size_t n_from, bool from_pre_rope,
+                       const std::vector<uint64_t> & rows) const;
+    size_t n_head(int32_t ib) const { return plans[ib].size(); }
     size_t   nbytes() const;
 
 private:

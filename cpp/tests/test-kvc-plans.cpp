@@ -8,8 +8,9 @@
 //  - batched = sequential: one ubatch, ubatches of 32 (the same prompt kernel: logits within
 //    2e-3; with the buffer, mean KL to f16 within 2x the batched one's) and token by token
 //    (the decode kernel: mean KL to f16 within 2x the batched one's);
-//  - state save -> load -> continue is bit-exact; a state saved under other plans, a
-//    truncated and a corrupted state are refused and the context stays usable;
+//  - state save -> load -> continue is bit-exact; a state saved under other plans is re-coded
+//    with the context's (KL to f16 within twice both caches' own), one coded on the other side
+//    of RoPE and a truncated one are refused and the context stays usable;
 //  - a context shift (rows coded before RoPE only change position) costs no more than the
 //    cache's own error against an f16 cache shifted alike; statistics of version 1 (after
 //    RoPE) still load, and that cache reports no shift;
@@ -31,10 +32,11 @@ using namespace kvc_test;
 
 namespace {
 
-// A statistics file for the model's layers; `scale` multiplies every energy (another file,
-// other plans; NaN: statistics of rows that held a NaN), `n_head_kv_extra` makes it one of
-// another shape.
-bool write_stats(const llama_model * model, const std::string & path, float scale, int n_head_kv_extra = 0, bool pre_rope = true) {
+// A statistics file for the model's layers; `scale` multiplies every energy and `decay` sets
+// how fast it falls across the head (another file, other plans and bits; NaN: statistics of
+// rows that held a NaN), `n_head_kv_extra` makes it one of another shape.
+bool write_stats(const llama_model * model, const std::string & path, float scale, int n_head_kv_extra = 0, bool pre_rope = true,
+                 float decay = 6.0f) {
     const int n_layer = llama_model_n_layer(model);
     const int n_kv    = llama_model_n_head_kv(model) + n_head_kv_extra;
     const int d       = llama_model_n_embd(model) / llama_model_n_head(model);
@@ -56,7 +58,7 @@ bool write_stats(const llama_model * model, const std::string & path, float scal
         for (int h = 0; h < n_kv; ++h) {
             for (int p = 0; p < d / 2; ++p) {
                 float * s = x + ((size_t) h * (d / 2) + p) * LLAMA_KVCOMP_KSTATS_PER_PAIR;
-                const float e = scale * (4.0f * std::exp(-6.0f * (float) p / (float) (d / 2)) + 0.1f);
+                const float e = scale * (4.0f * std::exp(-decay * (float) p / (float) (d / 2)) + 0.1f);
                 const float row[LLAMA_KVCOMP_KSTATS_PER_PAIR] = { 0.0f, 0.0f, e, 0.0f, e, 1.0f, 0.0f, 1.0f };
                 memcpy(s, row, sizeof(row));
             }
@@ -192,11 +194,44 @@ void test_cache(report & rep, llama_model * model, const std::vector<llama_token
         cont_b = decode(c.ctx, toks, 64, 72, 1);
         rep.check(read == state.size() && !cont_a.empty() && cont_a == cont_b, "%s state save -> load -> continue is bit-exact", name);
     }
+    // Under other plans the state's rows are decoded with the plans it carries and coded with
+    // the context's: a second quantization of the same keys, so the continuation is judged
+    // against f16 beside the two caches' own errors (their sum, doubled, for the noise of
+    // 8 tokens), not bit for bit.
     {
-        ctx_ptr c{ make_kvct(model, "stats-b.gguf", 1, true, kp) };
+        std::vector<float> f16_cont, direct_b, recoded;
+        {
+            ctx_ptr c{ make_ctx(model, GGML_TYPE_F16) };
+            decode(c.ctx, toks, 0, 64, 64);
+            f16_cont = decode(c.ctx, toks, 64, 72, 1);
+        }
+        {
+            ctx_ptr c{ make_kvct(model, "stats-b.gguf", 1, true, kp) };
+            decode(c.ctx, toks, 0, 64, 64);
+            direct_b = decode(c.ctx, toks, 64, 72, 1);
+        }
+        size_t read = 0;
+        {
+            ctx_ptr c{ make_kvct(model, "stats-b.gguf", 1, true, kp) };
+            read    = llama_state_set_data(c.ctx, state.data(), state.size());
+            recoded = decode(c.ctx, toks, 64, 72, 1);
+        }
+        const double kl_a = kl_mean_rows(f16_cont, cont_a, n_vocab), kl_b = kl_mean_rows(f16_cont, direct_b, n_vocab);
+        const double kl_re = kl_mean_rows(f16_cont, recoded, n_vocab);
+        rep.check(read == state.size() && kl_re <= 2.0 * (kl_a + kl_b) + 1e-4,
+                  "%s state saved under other plans is re-coded: KL to f16 %.2e <= 2 x (%.2e + %.2e) + 1e-4", name, kl_re,
+                  kl_a, kl_b);
+        rep.check(recoded != direct_b && recoded != cont_a, "%s the re-coded rows are neither plans' own (a real re-coding)", name);
+    }
+    {
+        // rows coded before RoPE cannot be read by plans made after it without their positions
+        ctx_ptr c{ make_kvct(model, "stats-post.gguf", 1, true, kp) };
         const size_t read = llama_state_set_data(c.ctx, state.data(), state.size());
+        const bool said = contains(llama_kvcomp_last_error(), "before RoPE");
         const auto after = decode(c.ctx, toks, 0, 8, 8);
-        rep.check(read == 0 && !after.empty(), "%s state saved under other plans is refused and the context stays usable", name);
+        rep.check(read == 0 && said && !after.empty(),
+                  "%s state coded before RoPE, loaded under plans after RoPE, is refused with the reason and the context "
+                  "stays usable (%s)", name, llama_kvcomp_last_error());
     }
     {
         ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
@@ -273,7 +308,7 @@ int main(int argc, char ** argv) {
     toks.resize(std::max(n, 0));
 
     report rep;
-    rep.check(n >= 170 && write_stats(model, "stats-a.gguf", 1.0f) && write_stats(model, "stats-b.gguf", 2.0f) &&
+    rep.check(n >= 170 && write_stats(model, "stats-a.gguf", 1.0f) && write_stats(model, "stats-b.gguf", 2.0f, 0, true, 3.0f) &&
               write_stats(model, "stats-post.gguf", 1.0f, 0, false),
               "prompt of %d tokens and three statistics files", n);
     if (n >= 170) {
