@@ -8,7 +8,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}
 jobs=${KVCOMP_JOBS:-2}
-targets=${KVCOMP_TARGETS:-"llama llama-server llama-perplexity llama-bench llama-batched-bench llama-cli llama-quantize llama-kvcomp-steps llama-kvcomp-rows llama-kvcomp-ksim llama-kvcomp-calibrate kvcomp-tests"}
+targets=${KVCOMP_TARGETS:-"llama llama-server llama-perplexity llama-bench llama-batched-bench llama-cli llama-quantize llama-kvcomp-steps llama-kvcomp-rows llama-kvcomp-ksim llama-kvcomp-calibrate ggml-rpc-server kvcomp-tests"}
 
 sdist=$(python3 "$root/scripts/prepare_upstream.py")
 key=$(basename "$(dirname "$sdist")")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -22,7 +22,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def server(bins: Path, model: Path, *extra: str, log: Path | None = None) -> Iterator[str]:
     """A llama-server on a free loopback port; yields its base URL. Its output goes to `log`."""
-    port = _free_port()
+    port = free_port()
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(log.open("w")) if log else subprocess.DEVNULL
         proc = subprocess.Popen([str(bins / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port",

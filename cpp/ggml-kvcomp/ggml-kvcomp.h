@@ -67,10 +67,32 @@ GGML_API const struct ggml_tensor * ggml_kvct_get_positions(const struct ggml_te
 
 // The op-support query's kvcomp rule, asked before a device's own answer: a node with a
 // second attention source or with kvct plans runs only where its kernel is (the CPU
-// backend), since a backend that does not know the sources would silently attend the main
-// cells alone, and one that does not know the plans cannot read the rows.
+// backend, here or behind an rpc-server of this build), since a backend that does not know
+// the sources would silently attend the main cells alone, and one that does not know the
+// plans cannot read the rows; and no node goes to an rpc-server that does not know one of
+// its types.
 struct ggml_backend_device;
+struct ggml_backend;
+struct ggml_backend_buffer;
 GGML_API bool ggml_kvcomp_dev_supports_op(struct ggml_backend_device * dev, const struct ggml_tensor * op);
+
+// kvcomp over ggml-rpc (kvc-rpc.cpp, docs/distributed.md). A server of this build answers a
+// client's HELLO with the number of ggml types it knows (bits 0-6 of the byte upstream
+// leaves 0) and GGML_KVCOMP_RPC_CPU_KERNELS when every device it serves is the CPU backend.
+#define GGML_KVCOMP_RPC_CPU_KERNELS 0x80
+// the server's byte (GGML_KVCOMP_RPC_CAPS in the environment replaces it, for tests)
+GGML_API uint8_t ggml_kvcomp_rpc_server_caps(struct ggml_backend ** backends, size_t n);
+// the client keeps what the server at endpoint said
+GGML_API void    ggml_kvcomp_rpc_set_caps(const char * endpoint, uint8_t caps);
+// what the server of an ggml-rpc device said (0: nothing, as upstream's); -1 for any other device
+GGML_API int32_t ggml_kvcomp_rpc_dev_caps(struct ggml_backend_device * dev);
+// the ggml types a device can hold: GGML_TYPE_COUNT, or for an rpc-server the ones it knows
+// (upstream's, GGML_KVCOMP_TYPE_FIRST, for one that does not say)
+GGML_API int32_t ggml_kvcomp_dev_n_types(struct ggml_backend_device * dev);
+// whether kvcomp's CPU kernels run a device's nodes (the CPU backend, or an rpc-server of
+// this build on it), and a buffer's (host memory, or such a device's)
+GGML_API bool    ggml_kvcomp_dev_cpu_kernels(struct ggml_backend_device * dev);
+GGML_API bool    ggml_kvcomp_buffer_cpu_kernels(struct ggml_backend_buffer * buf);
 
 #ifdef __cplusplus
 }

@@ -4,7 +4,6 @@
 #include "ggml-kvcomp.h"
 #include "ggml-backend.h"
 
-#include <string.h>
 
 // One exact part: F16 rows (F32 also for the ubatch's, read as their F16 rounding) with the
 // main pair's head size, KV heads and streams.
@@ -81,10 +80,19 @@ const struct ggml_tensor * ggml_kvct_get_positions(const struct ggml_tensor * no
 }
 
 bool ggml_kvcomp_dev_supports_op(struct ggml_backend_device * dev, const struct ggml_tensor * op) {
+    const int32_t n_types = ggml_kvcomp_dev_n_types(dev);
+    if ((int32_t) op->type >= n_types) {
+        return false;
+    }
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        if (op->src[i] && (int32_t) op->src[i]->type >= n_types) {
+            return false;
+        }
+    }
     const bool kvct = (op->op == GGML_OP_SET_ROWS && ggml_kvcomp_is_kvct(op->type)) ||
                       (op->op == GGML_OP_FLASH_ATTN_EXT && ggml_kvcomp_is_kvct(op->src[1]->type));
     if (!ggml_flash_attn_ext_has_exact(op) && !kvct) {
         return true;
     }
-    return ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU && strcmp(ggml_backend_dev_name(dev), "CPU") == 0;
+    return ggml_kvcomp_dev_cpu_kernels(dev);
 }

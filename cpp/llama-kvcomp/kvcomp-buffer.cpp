@@ -558,9 +558,10 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     cur     = nullptr;
 
     const ggml_tensor * cache = main_view->view_src ? main_view->view_src : main_view;
-    if (cache->buffer && !ggml_backend_buffer_is_host(cache->buffer)) {
+    if (cache->buffer && !ggml_kvcomp_buffer_cpu_kernels(cache->buffer)) {
         // Device caches: until the GPU kernels read the exact rows as their own sources
-        // (issue 21), attention reads an F16 copy of the main cells joined to them.
+        // (issue 21), attention reads an F16 copy of the main cells joined to them. (A cache
+        // on an rpc-server of this build on the CPU is read as in host memory, by the server.)
         ggml_tensor * all = ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F16), exact, 2);
         return exact_ub ? ggml_concat(ctx0, all, ggml_cast(ctx0, exact_ub, GGML_TYPE_F16), 2) : all;
     }
@@ -1201,8 +1202,10 @@ int32_t llama_kvcomp_buffer::set_k_stats(llama_kv_cache & kv, const std::shared_
     }
     for (const auto & l : kv.layers) {
         if (!l.k->buffer || !ggml_backend_buffer_is_host(l.k->buffer)) {
-            return llama_kvcomp_fail(-2, std::string(ggml_type_name(type_k)) + " K caches run on the CPU backend for now (issue "
-                                         "21): keep the KV cache in host memory (--no-kv-offload, or -ngl 0)");
+            // (an rpc-server's CPU could run them, but the plans and the cells' positions are
+            // kept in this process's memory)
+            return llama_kvcomp_fail(-2, std::string(ggml_type_name(type_k)) + " K caches run on this process's CPU backend for "
+                                         "now (issue 21): keep the KV cache in host memory (--no-kv-offload, or -ngl 0)");
         }
     }
     for (uint32_t strm = 0; strm < kv.n_stream; ++strm) {
@@ -1274,4 +1277,16 @@ bool llama_kvcomp_buffer::get_layer_stats(int32_t il, llama_kvcomp_layer_stats &
     st.il = il;
     tracker->get_layer_stats(layer_of_il[il], st);
     return true;
+}
+
+void llama_kvcomp_check_device(ggml_backend_dev_t dev, int32_t il, ggml_type type_k, ggml_type type_v) {
+    const int32_t n_types = ggml_kvcomp_dev_n_types(dev);
+    for (const ggml_type t : { type_k, type_v }) {
+        if ((int32_t) t >= n_types) {
+            throw std::runtime_error(std::string("kvcomp: the KV cache of layer ") + std::to_string(il) + " would live on " +
+                                     ggml_backend_dev_name(dev) + " (" + ggml_backend_dev_description(dev) + "), an rpc-server that does not know the type " +
+                                     ggml_type_name(t) + " (one built without the kvcomp types, such as upstream's): run "
+                                     "this build's ggml-rpc-server there, or keep the KV cache here with --no-kv-offload");
+        }
+    }
 }

@@ -238,3 +238,9 @@ private:
 // views of a buffered layer (named by llama_kvcomp_buffer::get), attaches that layer's exact
 // rows as further sources of the node (ggml_flash_attn_ext_add_exact). Other nodes are left alone.
 void llama_kvcomp_add_exact(ggml_context * ctx, ggml_tensor * fa);
+
+// Hook in the KV cache's constructor (patch 0020), for layer il's cells on device dev: throws
+// with the reason when dev is an rpc-server that does not know type_k or type_v (one without
+// the kvcomp types would close the connection at the first such tensor, and the client would
+// abort), before anything is allocated there.
+void llama_kvcomp_check_device(ggml_backend_dev_t dev, int32_t il, ggml_type type_k, ggml_type type_v);

@@ -1,0 +1,96 @@
+// kvcomp over ggml-rpc (docs/distributed.md): what a server tells its clients about itself,
+// and what a client makes of it. ggml-rpc calls the first two (patch 0020); the op-support
+// rule and libllama read the rest.
+//
+// A server from this build puts, in the byte of its HELLO reply that upstream leaves 0, the
+// number of ggml types it knows (bits 0-6) and GGML_KVCOMP_RPC_CPU_KERNELS when every device
+// it serves is the CPU backend, whose kernels read the residual buffer's exact rows and the
+// kvct plans. An upstream server, or one of an older build, says 0: it knows upstream's types
+// only, and a kvc tensor sent to it would close the connection (and abort the client).
+
+#include "ggml-kvcomp.h"
+#include "ggml-backend.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace {
+
+std::mutex                     g_mutex;
+std::map<std::string, uint8_t> g_caps; // by endpoint, as the client's HELLO found it
+
+// a device of ggml-rpc (its registry is "RPC"), described by its server's endpoint
+bool rpc_endpoint(ggml_backend_dev_t dev, std::string & endpoint) {
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    if (!reg || strcmp(ggml_backend_reg_name(reg), "RPC") != 0) {
+        return false;
+    }
+    endpoint = ggml_backend_dev_description(dev);
+    return true;
+}
+
+} // namespace
+
+uint8_t ggml_kvcomp_rpc_server_caps(ggml_backend_t * backends, size_t n) {
+    // lets a test play a server of another build without building one
+    if (const char * v = getenv("GGML_KVCOMP_RPC_CAPS")) {
+        return (uint8_t) strtoul(v, nullptr, 0);
+    }
+    static_assert(GGML_TYPE_COUNT < GGML_KVCOMP_RPC_CPU_KERNELS, "the type count must fit in 7 bits");
+    bool cpu = n > 0;
+    for (size_t i = 0; i < n; ++i) {
+        ggml_backend_dev_t dev = ggml_backend_get_device(backends[i]);
+        cpu = cpu && dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU &&
+              strcmp(ggml_backend_dev_name(dev), "CPU") == 0;
+    }
+    return (uint8_t) (GGML_TYPE_COUNT | (cpu ? GGML_KVCOMP_RPC_CPU_KERNELS : 0));
+}
+
+void ggml_kvcomp_rpc_set_caps(const char * endpoint, uint8_t caps) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_caps[endpoint] = caps;
+}
+
+int32_t ggml_kvcomp_rpc_dev_caps(ggml_backend_dev_t dev) {
+    std::string endpoint;
+    if (!rpc_endpoint(dev, endpoint)) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const auto it = g_caps.find(endpoint);
+    return it == g_caps.end() ? 0 : it->second;
+}
+
+int32_t ggml_kvcomp_dev_n_types(ggml_backend_dev_t dev) {
+    const int32_t caps = ggml_kvcomp_rpc_dev_caps(dev);
+    if (caps < 0) {
+        return GGML_TYPE_COUNT;
+    }
+    const int32_t n = caps & (GGML_KVCOMP_RPC_CPU_KERNELS - 1);
+    // 0: a server that does not say, upstream's
+    return n == 0 ? (int32_t) GGML_KVCOMP_TYPE_FIRST : n;
+}
+
+bool ggml_kvcomp_dev_cpu_kernels(ggml_backend_dev_t dev) {
+    if (!dev) {
+        return false;
+    }
+    if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU && strcmp(ggml_backend_dev_name(dev), "CPU") == 0) {
+        return true;
+    }
+    const int32_t caps = ggml_kvcomp_rpc_dev_caps(dev);
+    return caps > 0 && (caps & GGML_KVCOMP_RPC_CPU_KERNELS) != 0;
+}
+
+bool ggml_kvcomp_buffer_cpu_kernels(ggml_backend_buffer_t buf) {
+    if (!buf) {
+        return false;
+    }
+    if (ggml_backend_buffer_is_host(buf)) {
+        return true;
+    }
+    return ggml_kvcomp_dev_cpu_kernels(ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf)));
+}

@@ -1,0 +1,126 @@
+"""kvcomp over llama.cpp's RPC backend, on loopback (docs/distributed.md).
+
+Two ggml-rpc-servers of this build (CPU backend, one thread each) hold the model's layers and
+their KV cache; the client's logits are compared with a local run of the same configuration
+(the same kernels run on the servers, so they agree to the rounding of a different thread
+split). A server that says it lacks the kvc types, as upstream's does, is refused with the
+type named before anything is sent to it. Every server is started and stopped here, by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ggml_kvcomp.kvtypes import KvConfig
+
+from .server import free_port, get, post, server
+
+# loopback KLD between a run over RPC and the same run here: the servers split attention over
+# one thread instead of two, which reorders sums of floats and nothing else
+KLD_BOUND = 1e-5
+
+
+@contextlib.contextmanager
+def rpc_servers(bins: Path, n: int, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[list[str]]:
+    """n ggml-rpc-servers on free loopback ports; yields their endpoints."""
+    procs: list[subprocess.Popen[bytes]] = []
+    endpoints: list[str] = []
+    with contextlib.ExitStack() as stack:
+        try:
+            for i in range(n):
+                port = free_port()
+                log = stack.enter_context((log_dir / f"rpc-{i}.log").open("w"))
+                args = [str(bins / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
+                procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                              env={**os.environ, **(env or {})}))
+                endpoints.append(f"127.0.0.1:{port}")
+            for ep, proc in zip(endpoints, procs, strict=True):
+                host, port_s = ep.split(":")
+                deadline = time.time() + 30
+                while True:
+                    assert proc.poll() is None, f"ggml-rpc-server {ep} exited during start-up"
+                    with contextlib.suppress(OSError), socket.create_connection((host, int(port_s)), timeout=1):
+                        break
+                    assert time.time() < deadline, f"ggml-rpc-server {ep} did not listen"
+                    time.sleep(0.2)
+            # the probe connections above were served and closed; give each server time to go
+            # back to accept(), which serves one client at a time
+            time.sleep(0.5)
+            yield endpoints
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def _ppl(bins: Path, model: Path, text: Path, kv: list[str], *extra: str,
+         timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    args = [str(bins / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", "256", "-b", "256",
+            "--chunks", "2", "-t", "2", "--no-warmup", "-fa", "on", *kv, *extra]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+
+
+def _kld(log: str) -> float:
+    m = re.search(r"^Mean\s+KLD:\s*([\d.eE+-]+)", log, re.MULTILINE)
+    assert m, log[-3000:]
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("config", ["f16", "kvc4", "low-latency", "balanced", "high-precision"])
+def test_perplexity_over_two_rpc_servers_matches_local(bins: Path, model: Path, text: Path, tmp_path: Path,
+                                                        config: str) -> None:
+    kv = KvConfig.parse(config).tool_args()
+    base = tmp_path / "local.kld"
+    local = _ppl(bins, model, text, kv, "--kl-divergence-base", str(base))
+    assert local.returncode == 0, local.stderr[-3000:]
+    with rpc_servers(bins, 2, tmp_path) as eps:
+        remote = _ppl(bins, model, text, kv, "--rpc", ",".join(eps), "-ngl", "99", "-lv", "4", "--kl-divergence-base",
+                      str(base), "--kl-divergence")
+    log = remote.stdout + remote.stderr
+    assert remote.returncode == 0, log[-3000:]
+    # the layers and their caches are on the servers, none here
+    assert set(re.findall(r"RPC\d\[(127\.0\.0\.1:\d+)\] KV buffer size", log)) == set(eps), log[-3000:]
+    assert _kld(log) <= KLD_BOUND
+
+
+def test_server_without_the_kvc_types_is_refused_by_name(bins: Path, model: Path, text: Path, tmp_path: Path) -> None:
+    # a server that says 0 in its HELLO, as upstream's rpc-server does
+    with rpc_servers(bins, 1, tmp_path, env={"GGML_KVCOMP_RPC_CAPS": "0"}) as eps:
+        t0 = time.time()
+        proc = _ppl(bins, model, text, ["-ctk", "kvc4", "-ctv", "kvc4"], "--rpc", eps[0], "-ngl", "99", timeout=120)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and proc.returncode > 0, log[-3000:]  # an error exit, not a signal
+        assert "does not know the type kvc4" in log and "--no-kv-offload" in log, log[-3000:]
+        assert time.time() - t0 < 120
+        # the same server holds the layers when the KV cache stays here
+        kept = _ppl(bins, model, text, ["-ctk", "kvc4", "-ctv", "kvc4"], "--rpc", eps[0], "-ngl", "99", "-nkvo")
+        assert kept.returncode == 0, (kept.stdout + kept.stderr)[-3000:]
+
+
+def test_llama_server_balanced_over_rpc(bins: Path, model: Path, tmp_path: Path) -> None:
+    with rpc_servers(bins, 2, tmp_path) as eps, \
+            server(bins, model, "-c", "1024", "-np", "1", "-fa", "on", "--kv-comp", "balanced", "--metrics", "--rpc",
+                   ",".join(eps), "-ngl", "99", "--slot-save-path", str(tmp_path), log=tmp_path / "server.log") as url:
+        request = {"prompt": "Write a short note about the number 7 and why it is interesting:", "n_predict": 24,
+                   "temperature": 0, "cache_prompt": False}
+        body = post(f"{url}/completion", request)
+        assert body["tokens_predicted"] == 24 and body["content"]
+        status, metrics = get(f"{url}/metrics")
+        assert status == 200 and "kvcomp_" in metrics
+        saved = post(f"{url}/slots/0?action=save", {"filename": "slot0.bin"})
+        first = (tmp_path / "slot0.bin").read_bytes()
+        restored = post(f"{url}/slots/0?action=restore", {"filename": "slot0.bin"})
+        assert restored["n_restored"] == saved["n_saved"]
+        post(f"{url}/slots/0?action=save", {"filename": "slot0-again.bin"})
+        assert (tmp_path / "slot0-again.bin").read_bytes() == first
