@@ -4,11 +4,13 @@ Two ggml-rpc-servers of this build (CPU backend, one thread each) hold the model
 their KV cache; the client's logits are compared with a local run of the same configuration
 (the same kernels run on the servers, so they agree to the rounding of a different thread
 split). A server that says it lacks the kvc types, as upstream's does, is refused with the
-type named before anything is sent to it. Every server is started and stopped here, by PID.
+type named before anything is sent to it; one killed during a request ends that request with
+an HTTP error and leaves llama-server up. Every server is started and stopped here, by PID.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -16,7 +18,9 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,9 +34,19 @@ from .server import free_port, get, post, server
 KLD_BOUND = 1e-5
 
 
+@dataclass
+class RpcServers:
+    endpoints: list[str]
+    procs: list[subprocess.Popen[bytes]]
+
+    @property
+    def arg(self) -> str:
+        return ",".join(self.endpoints)
+
+
 @contextlib.contextmanager
-def rpc_servers(bins: Path, n: int, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[list[str]]:
-    """n ggml-rpc-servers on free loopback ports; yields their endpoints."""
+def rpc_servers(bins: Path, n: int, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[RpcServers]:
+    """n ggml-rpc-servers on free loopback ports."""
     procs: list[subprocess.Popen[bytes]] = []
     endpoints: list[str] = []
     with contextlib.ExitStack() as stack:
@@ -56,7 +70,7 @@ def rpc_servers(bins: Path, n: int, log_dir: Path, env: dict[str, str] | None = 
             # the probe connections above were served and closed; give each server time to go
             # back to accept(), which serves one client at a time
             time.sleep(0.5)
-            yield endpoints
+            yield RpcServers(endpoints, procs)
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -84,34 +98,34 @@ def test_perplexity_over_two_rpc_servers_matches_local(bins: Path, model: Path, 
     base = tmp_path / "local.kld"
     local = _ppl(bins, model, text, kv, "--kl-divergence-base", str(base))
     assert local.returncode == 0, local.stderr[-3000:]
-    with rpc_servers(bins, 2, tmp_path) as eps:
-        remote = _ppl(bins, model, text, kv, "--rpc", ",".join(eps), "-ngl", "99", "-lv", "4", "--kl-divergence-base",
+    with rpc_servers(bins, 2, tmp_path) as rpc:
+        remote = _ppl(bins, model, text, kv, "--rpc", rpc.arg, "-ngl", "99", "-lv", "4", "--kl-divergence-base",
                       str(base), "--kl-divergence")
     log = remote.stdout + remote.stderr
     assert remote.returncode == 0, log[-3000:]
     # the layers and their caches are on the servers, none here
-    assert set(re.findall(r"RPC\d\[(127\.0\.0\.1:\d+)\] KV buffer size", log)) == set(eps), log[-3000:]
+    assert set(re.findall(r"RPC\d\[(127\.0\.0\.1:\d+)\] KV buffer size", log)) == set(rpc.endpoints), log[-3000:]
     assert _kld(log) <= KLD_BOUND
 
 
 def test_server_without_the_kvc_types_is_refused_by_name(bins: Path, model: Path, text: Path, tmp_path: Path) -> None:
     # a server that says 0 in its HELLO, as upstream's rpc-server does
-    with rpc_servers(bins, 1, tmp_path, env={"GGML_KVCOMP_RPC_CAPS": "0"}) as eps:
+    with rpc_servers(bins, 1, tmp_path, env={"GGML_KVCOMP_RPC_CAPS": "0"}) as rpc:
         t0 = time.time()
-        proc = _ppl(bins, model, text, ["-ctk", "kvc4", "-ctv", "kvc4"], "--rpc", eps[0], "-ngl", "99", timeout=120)
+        proc = _ppl(bins, model, text, ["-ctk", "kvc4", "-ctv", "kvc4"], "--rpc", rpc.arg, "-ngl", "99", timeout=120)
         log = proc.stdout + proc.stderr
         assert proc.returncode != 0 and proc.returncode > 0, log[-3000:]  # an error exit, not a signal
         assert "does not know the type kvc4" in log and "--no-kv-offload" in log, log[-3000:]
         assert time.time() - t0 < 120
         # the same server holds the layers when the KV cache stays here
-        kept = _ppl(bins, model, text, ["-ctk", "kvc4", "-ctv", "kvc4"], "--rpc", eps[0], "-ngl", "99", "-nkvo")
+        kept = _ppl(bins, model, text, ["-ctk", "kvc4", "-ctv", "kvc4"], "--rpc", rpc.arg, "-ngl", "99", "-nkvo")
         assert kept.returncode == 0, (kept.stdout + kept.stderr)[-3000:]
 
 
 def test_llama_server_balanced_over_rpc(bins: Path, model: Path, tmp_path: Path) -> None:
-    with rpc_servers(bins, 2, tmp_path) as eps, \
+    with rpc_servers(bins, 2, tmp_path) as rpc, \
             server(bins, model, "-c", "1024", "-np", "1", "-fa", "on", "--kv-comp", "balanced", "--metrics", "--rpc",
-                   ",".join(eps), "-ngl", "99", "--slot-save-path", str(tmp_path), log=tmp_path / "server.log") as url:
+                   rpc.arg, "-ngl", "99", "--slot-save-path", str(tmp_path), log=tmp_path / "server.log") as url:
         request = {"prompt": "Write a short note about the number 7 and why it is interesting:", "n_predict": 24,
                    "temperature": 0, "cache_prompt": False}
         body = post(f"{url}/completion", request)
@@ -124,3 +138,30 @@ def test_llama_server_balanced_over_rpc(bins: Path, model: Path, tmp_path: Path)
         assert restored["n_restored"] == saved["n_saved"]
         post(f"{url}/slots/0?action=save", {"filename": "slot0-again.bin"})
         assert (tmp_path / "slot0-again.bin").read_bytes() == first
+
+
+def test_rpc_server_lost_during_a_request_is_an_error(bins: Path, model: Path, tmp_path: Path) -> None:
+    """An rpc-server killed during generation: the request ends with an HTTP error in bounded
+    time, llama-server stays up and answers every later request with an error (the lost host
+    is not reconnected, docs/distributed.md "Failures")."""
+    with rpc_servers(bins, 2, tmp_path) as rpc, \
+            server(bins, model, "-c", "1024", "-np", "1", "-fa", "on", "--kv-comp", "balanced", "--rpc", rpc.arg,
+                   "-ngl", "99", log=tmp_path / "server.log") as url:
+        request = {"prompt": "Count from one to one thousand, in words:", "n_predict": 600, "temperature": 0,
+                   "cache_prompt": False}
+        assert post(f"{url}/completion", {**request, "n_predict": 4})["tokens_predicted"] == 4
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, f"{url}/completion", request)
+            time.sleep(1.0)
+            t0 = time.time()
+            rpc.procs[1].send_signal(signal.SIGKILL)
+            with pytest.raises(urllib.error.HTTPError) as err:
+                pending.result(timeout=120)
+            assert time.time() - t0 < 120
+        assert err.value.code == 500 and "Compute error" in err.value.read().decode()
+        assert get(f"{url}/health")[0] == 200
+        with pytest.raises(urllib.error.HTTPError) as again:
+            post(f"{url}/completion", {**request, "n_predict": 4})
+        assert again.value.code == 500
+    log = (tmp_path / "server.log").read_text()
+    assert f"RPC server {rpc.endpoints[1]}: the connection is lost" in log

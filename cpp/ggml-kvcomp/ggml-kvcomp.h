@@ -93,6 +93,14 @@ GGML_API int32_t ggml_kvcomp_dev_n_types(struct ggml_backend_device * dev);
 // this build on it), and a buffer's (host memory, or such a device's)
 GGML_API bool    ggml_kvcomp_dev_cpu_kernels(struct ggml_backend_device * dev);
 GGML_API bool    ggml_kvcomp_buffer_cpu_kernels(struct ggml_backend_buffer * buf);
+// A server whose connection fails (it stopped, crashed or closed it) is lost: ggml-rpc sends
+// it nothing more and hands back zeros for what it asked (output: the reply's buffer), and
+// every graph computed afterwards fails (llama_decode returns -3), in place of upstream's
+// abort of the whole process. A lost server stays lost for the process's lifetime.
+// ggml_kvcomp_rpc_any_lost, asked after a graph is computed, waits for every connected
+// server to finish it (one round trip each), so the graph during which one died fails too.
+GGML_API void    ggml_kvcomp_rpc_lost(const char * endpoint, void * output, size_t output_size);
+GGML_API bool    ggml_kvcomp_rpc_any_lost(void);
 
 #ifdef __cplusplus
 }

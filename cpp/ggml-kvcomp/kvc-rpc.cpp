@@ -1,6 +1,6 @@
 // kvcomp over ggml-rpc (docs/distributed.md): what a server tells its clients about itself,
-// and what a client makes of it. ggml-rpc calls the first two (patch 0020); the op-support
-// rule and libllama read the rest.
+// what a client makes of it, and a server that goes away. ggml-rpc calls the setters
+// (patches 0020, 0021); the op-support rule and libllama read the rest.
 //
 // A server from this build puts, in the byte of its HELLO reply that upstream leaves 0, the
 // number of ggml types it knows (bits 0-6) and GGML_KVCOMP_RPC_CPU_KERNELS when every device
@@ -10,17 +10,22 @@
 
 #include "ggml-kvcomp.h"
 #include "ggml-backend.h"
+#include "ggml-impl.h"
 
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
+#include <vector>
 
 namespace {
 
 std::mutex                     g_mutex;
 std::map<std::string, uint8_t> g_caps; // by endpoint, as the client's HELLO found it
+std::set<std::string>          g_lost; // servers whose connection failed
+std::set<ggml_backend_dev_t>   g_devs; // the devices of those servers the op-support rule asked about
 
 // a device of ggml-rpc (its registry is "RPC"), described by its server's endpoint
 bool rpc_endpoint(ggml_backend_dev_t dev, std::string & endpoint) {
@@ -60,6 +65,7 @@ int32_t ggml_kvcomp_rpc_dev_caps(ggml_backend_dev_t dev) {
         return -1;
     }
     std::lock_guard<std::mutex> lock(g_mutex);
+    g_devs.insert(dev);
     const auto it = g_caps.find(endpoint);
     return it == g_caps.end() ? 0 : it->second;
 }
@@ -93,4 +99,38 @@ bool ggml_kvcomp_buffer_cpu_kernels(ggml_backend_buffer_t buf) {
         return true;
     }
     return ggml_kvcomp_dev_cpu_kernels(ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf)));
+}
+
+void ggml_kvcomp_rpc_lost(const char * endpoint, void * output, size_t output_size) {
+    // the caller reads zeros rather than whatever its buffer held; the graph that needed
+    // them fails at the next computation (ggml_kvcomp_rpc_any_lost)
+    if (output) {
+        memset(output, 0, output_size);
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (g_lost.insert(endpoint).second) {
+        GGML_LOG_ERROR("RPC server %s: the connection is lost (the server stopped, crashed or closed it): every "
+                       "computation that needs it fails from now on\n", endpoint);
+    }
+}
+
+bool ggml_kvcomp_rpc_any_lost(void) {
+    std::vector<ggml_backend_dev_t> devs;
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        if (!g_lost.empty()) {
+            return true;
+        }
+        devs.assign(g_devs.begin(), g_devs.end());
+    }
+    // A graph is sent to a server without waiting for a reply, so a server that dies while
+    // computing it is only noticed at the next command that reads one. Each server answers
+    // commands in order, so one small request to each (its memory) returns once the graph
+    // has run there, or finds the connection gone.
+    for (ggml_backend_dev_t dev : devs) {
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(dev, &free, &total);
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return !g_lost.empty();
 }

@@ -48,12 +48,6 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         m.cell_ub.assign(kv_size, -1);
     }
 
-    ggml_init_params ip = { (2 * kv.layers.size() + 1) * ggml_tensor_overhead(), nullptr, true };
-    ctx = ggml_init(ip);
-    if (!ctx) {
-        throw std::runtime_error("kvcomp: failed to create the buffer context");
-    }
-
     int32_t max_il = 0;
     for (const auto & [il, ikv] : kv.map_layer_ids) {
         max_il = std::max(max_il, il);
@@ -64,27 +58,24 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         layer_of_il[il] = ikv;
     }
 
-    // one more row per stream, never attended: where a token without a slot writes its row
+    // one more row per stream, never attended: where a token without a slot writes its row;
+    // the slots live next to the cache they shadow (llama_kvcomp_storage)
+    const size_t n_tensors = 2 * kv.layers.size() + 1;
     for (const auto & l : kv.layers) {
-        k_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.k->ne[0], (int64_t) n_rows() * kv.n_stream));
-        v_buf.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F16, l.v->ne[0], (int64_t) n_rows() * kv.n_stream));
+        ggml_context * c = storage.ctx_for(ggml_backend_buffer_get_type(l.k->buffer), n_tensors);
+        k_buf.push_back(ggml_new_tensor_2d(c, GGML_TYPE_F16, l.k->ne[0], (int64_t) n_rows() * kv.n_stream));
+        v_buf.push_back(ggml_new_tensor_2d(c, GGML_TYPE_F16, l.v->ne[0], (int64_t) n_rows() * kv.n_stream));
         ggml_format_name(k_buf.back(), "kvcomp_k_l%u", l.il);
         ggml_format_name(v_buf.back(), "kvcomp_v_l%u", l.il);
     }
-    reencode_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, std::max<int64_t>(1, this->tracker ? this->tracker->n_reencode_max() : 0));
+    reencode_slots = ggml_new_tensor_1d(storage.ctx_for(ggml_backend_buffer_get_type(kv.layers[0].k->buffer), n_tensors),
+                                        GGML_TYPE_I64, std::max<int64_t>(1, this->tracker ? this->tracker->n_reencode_max() : 0));
     k_written.assign(k_buf.size(), nullptr);
     v_written.assign(k_buf.size(), nullptr);
     k_cur.assign(k_buf.size(), nullptr);
     v_cur.assign(k_buf.size(), nullptr);
     rope_warned.assign(k_buf.size(), false);
-
-    // the slots live next to the cache they shadow
-    buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_buffer_get_type(kv.layers[0].k->buffer));
-    if (!buf) {
-        ggml_free(ctx);
-        throw std::runtime_error("kvcomp: failed to allocate the residual buffer");
-    }
-    ggml_backend_buffer_clear(buf, 0);
+    storage.alloc("residual buffer");
 
     // bits per K/V element: the main cache's, and what the buffer adds to them
     size_t main_bytes = 0;
@@ -93,7 +84,7 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         main_bytes += ggml_nbytes(l.k) + ggml_nbytes(l.v);
         n_elem += (double) (l.k->ne[0] + l.v->ne[0]) * kv_size * kv.n_stream;
     }
-    const size_t buf_bytes = buffered ? ggml_backend_buffer_get_size(buf) : 0;
+    const size_t buf_bytes = buffered ? storage.nbytes() : 0;
     LLAMA_LOG_INFO("kvcomp: KV memory: main cache %.2f MiB (%.2f bpe), residual buffer %.2f MiB (%.2f bpe, %u streams of %u slots), "
             "total %.2f bpe\n", main_bytes / (1024.0 * 1024.0), 8.0 * main_bytes / n_elem, buf_bytes / (1024.0 * 1024.0),
             8.0 * buf_bytes / n_elem, kv.n_stream, n_slots_stream, 8.0 * (main_bytes + buf_bytes) / n_elem);
@@ -103,8 +94,6 @@ llama_kvcomp_buffer::~llama_kvcomp_buffer() {
     if (n_overflow > 1) {
         LLAMA_LOG_WARN("kvcomp: %lld positions found the residual buffer full and stayed quantized\n", (long long) n_overflow);
     }
-    ggml_backend_buffer_free(buf);
-    ggml_free(ctx);
 }
 
 void llama_kvcomp_buffer::adopt_storage(llama_kvcomp_buffer & prev) {
@@ -114,8 +103,7 @@ void llama_kvcomp_buffer::adopt_storage(llama_kvcomp_buffer & prev) {
     if (prev.n_slots_stream != n_slots_stream || prev.k_buf.size() != k_buf.size() || prev.maps.size() != maps.size()) {
         return;
     }
-    std::swap(ctx, prev.ctx);
-    std::swap(buf, prev.buf);
+    storage.swap(prev.storage);
     std::swap(k_buf, prev.k_buf);
     std::swap(v_buf, prev.v_buf);
     std::swap(reencode_slots, prev.reencode_slots);

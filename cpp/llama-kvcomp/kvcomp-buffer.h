@@ -12,6 +12,7 @@
 
 #include "kvcomp-monitor.h"
 #include "kvcomp-plans.h"
+#include "kvcomp-storage.h"
 #include "kvcomp-tracker.h"
 #include "llama-kvcomp.h"
 #include "llama-kv-cache.h"
@@ -230,8 +231,8 @@ private:
     // shared with the next configuration of the same cache: cached keys keep their offset
     std::shared_ptr<llama_kvcomp_tracker> tracker;
 
-    ggml_context *          ctx = nullptr;
-    ggml_backend_buffer_t   buf = nullptr;
+    // the slots, beside each layer's cells
+    llama_kvcomp_storage storage;
 };
 
 // Hook after upstream builds a FLASH_ATTN_EXT node (patch 0017): when its K and V are the main

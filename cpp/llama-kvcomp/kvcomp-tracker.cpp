@@ -70,12 +70,10 @@ static ggml_from_float_t k_quantizer(ggml_type type) {
 llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params,
                                            uint32_t n_stream, uint32_t n_ubatch)
     : params(params), n_stream(n_stream) {
-    ggml_init_params ip = { (descs.size() + 5) * ggml_tensor_overhead(), nullptr, true };
-    ctx = ggml_init(ip);
-    if (!ctx) {
-        throw std::runtime_error("kvcomp: failed to create the tracker context");
-    }
     const size_t n = descs.size();
+    // each layer's store beside its cells, the tensors every layer reads beside the first's
+    const size_t n_tensors = n + 5;
+    ggml_context * ctx = storage.ctx_for(ggml_backend_buffer_get_type(descs[0].k->buffer), n_tensors);
     layers.resize(n);
     for (size_t ib = 0; ib < n; ++ib) {
         const layer_desc & kl = descs[ib];
@@ -95,7 +93,8 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         l.k_energy_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
         l.c.assign((size_t) n_stream * l.n_embd_k, 0.0f);
         l.k_quantize = k_quantizer(kl.k->type);
-        store.push_back(ggml_new_tensor_2d(ctx, GGML_TYPE_F32, l.n_embd_k, n_store_rows()));
+        store.push_back(ggml_new_tensor_2d(storage.ctx_for(ggml_backend_buffer_get_type(kl.k->buffer), n_tensors), GGML_TYPE_F32,
+                                           l.n_embd_k, n_store_rows()));
         ggml_format_name(store.back(), "kvcomp_store_l%u", kl.il);
     }
     weights   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, KVCOMP_CALIB_N + 1, n_stream);
@@ -106,15 +105,10 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
     ggml_set_name(weights, "kvcomp_weights");
     ggml_set_name(copy_idx, "kvcomp_copy_idx");
 
-    buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_buffer_get_type(descs[0].k->buffer));
-    if (!buf) {
-        ggml_free(ctx);
-        throw std::runtime_error("kvcomp: failed to allocate the tracker");
-    }
-    ggml_backend_buffer_clear(buf, 0);
+    storage.alloc("tracker");
     // a decode step pays a barrier of every thread per node: on a host cache, a graph that
     // makes no offset takes its K rows in one CPU node; a device cache keeps the graph form
-    if (ggml_backend_buffer_is_host(buf)) {
+    if (storage.is_host()) {
         offset_rows = (ggml_custom_op_t) llama_kvcomp_cpu_proc("ggml_kvc_cpu_offset_rows");
     }
     streams.resize(n_stream);
@@ -154,8 +148,6 @@ llama_kvcomp_tracker::~llama_kvcomp_tracker() {
             it = it->second.first == this ? r.layers.erase(it) : std::next(it);
         }
     }
-    ggml_backend_buffer_free(buf);
-    ggml_free(ctx);
 }
 
 ggml_tensor * llama_kvcomp_tracker::transform(ggml_context * ctx0, ggml_tensor * cur, int32_t ib, bool is_k) const {

@@ -12,6 +12,7 @@
 // completes them sets c in its graph and stores the earlier rows again as k - c
 // (docs/design-tracker-modes.md, "Isolation").
 
+#include "kvcomp-storage.h"
 #include "llama-kvcomp.h"
 #include "llama-kv-cache.h"
 #include "llama-kv-cells.h"
@@ -213,8 +214,7 @@ private:
     ggml_tensor * old_plane = nullptr; // [n_stream * KVCOMP_CALIB_N] I32: the plane of their stream
     mutable std::vector<ggml_tensor *> reenc; // per layer, from the graph being built
 
-    ggml_context *        ctx = nullptr;
-    ggml_backend_buffer_t buf = nullptr;
+    llama_kvcomp_storage storage; // the stores beside each layer's cells
     // the CPU's one-node form of the K rows of a graph that makes no c (host caches only),
     // or nullptr
     ggml_custom_op_t offset_rows = nullptr;
