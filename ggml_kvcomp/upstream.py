@@ -7,6 +7,7 @@ keyed by the pin and the hash of cpp/patches/*.patch, and reused while both are 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -91,3 +92,30 @@ def prepare() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final / SDIST
+
+
+def unpatched_rpc_server() -> Path:
+    """Upstream's own ggml-rpc-server, built from the pinned sdist without the patch series
+    (ggml only, cached): what a host without the kvc types runs, for tests/test_rpc.py."""
+    base = cache_dir() / f"upstream-rpc-server-{PIN_VERSION}"
+    binary = base / "build" / "bin" / "ggml-rpc-server"
+    if binary.exists():
+        return binary
+    tarball = fetch_sdist(cache_dir() / "dl")
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    with tarfile.open(tarball) as tf:
+        tf.extractall(base, filter="data")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    launcher = (["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+                if shutil.which("ccache") else [])
+    subprocess.run(
+        ["cmake", "-S", str(base / SDIST / "vendor" / "llama.cpp"), "-B", str(base / "build"), *generator, *launcher,
+         "-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON", "-DGGML_RPC_RDMA=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF"],
+        check=True, stdout=sys.stderr,
+    )
+    jobs = os.environ.get("KVCOMP_JOBS", "2")
+    subprocess.run(["cmake", "--build", str(base / "build"), "--target", "ggml-rpc-server", "--parallel", jobs],
+                   check=True, stdout=sys.stderr)
+    return binary

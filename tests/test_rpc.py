@@ -3,8 +3,9 @@
 Two ggml-rpc-servers of this build (CPU backend, one thread each) hold the model's layers and
 their KV cache; the client's logits are compared with a local run of the same configuration
 (the same kernels run on the servers, so they agree to the rounding of a different thread
-split). A server that says it lacks the kvc types, as upstream's does, is refused with the
-type named before anything is sent to it; one killed during a request ends that request with
+split). Upstream's own rpc-server (built from the sdist without the patches), and one of this
+build that says what upstream's says, are refused with the type named before a kvc tensor is
+sent to them, and hold the layers when the cache stays here (-nkvo); one killed during a request ends that request with
 an HTTP error and leaves llama-server up. Every server is started and stopped here, by PID.
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from ggml_kvcomp import upstream
 from ggml_kvcomp.kvtypes import KvConfig
 
 from .server import free_port, get, post, server
@@ -45,8 +47,9 @@ class RpcServers:
 
 
 @contextlib.contextmanager
-def rpc_servers(bins: Path, n: int, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[RpcServers]:
-    """n ggml-rpc-servers on free loopback ports."""
+def rpc_servers(bins: Path, n: int, log_dir: Path, env: dict[str, str] | None = None,
+                binary: Path | None = None) -> Iterator[RpcServers]:
+    """n ggml-rpc-servers (this build's, or `binary`) on free loopback ports."""
     procs: list[subprocess.Popen[bytes]] = []
     endpoints: list[str] = []
     with contextlib.ExitStack() as stack:
@@ -54,7 +57,7 @@ def rpc_servers(bins: Path, n: int, log_dir: Path, env: dict[str, str] | None = 
             for i in range(n):
                 port = free_port()
                 log = stack.enter_context((log_dir / f"rpc-{i}.log").open("w"))
-                args = [str(bins / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
+                args = [str(binary or bins / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"]
                 procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                               env={**os.environ, **(env or {})}))
                 endpoints.append(f"127.0.0.1:{port}")
@@ -108,9 +111,14 @@ def test_perplexity_over_two_rpc_servers_matches_local(bins: Path, model: Path, 
     assert _kld(log) <= KLD_BOUND
 
 
-def test_server_without_the_kvc_types_is_refused_by_name(bins: Path, model: Path, text: Path, tmp_path: Path) -> None:
-    # a server that says 0 in its HELLO, as upstream's rpc-server does
-    with rpc_servers(bins, 1, tmp_path, env={"GGML_KVCOMP_RPC_CAPS": "0"}) as rpc:
+@pytest.mark.parametrize("server_kind", ["upstream", "says-upstream"])
+def test_server_without_the_kvc_types_is_refused_by_name(bins: Path, model: Path, text: Path, tmp_path: Path,
+                                                         server_kind: str) -> None:
+    # upstream's own rpc-server (built from the sdist without the patches), and one of this
+    # build that says 0 in its HELLO as upstream's does
+    binary = upstream.unpatched_rpc_server() if server_kind == "upstream" else None
+    env = {"GGML_KVCOMP_RPC_CAPS": "0"} if server_kind == "says-upstream" else None
+    with rpc_servers(bins, 1, tmp_path, env=env, binary=binary) as rpc:
         t0 = time.time()
         proc = _ppl(bins, model, text, ["-ctk", "kvc4", "-ctv", "kvc4"], "--rpc", rpc.arg, "-ngl", "99", timeout=120)
         log = proc.stdout + proc.stderr
@@ -147,8 +155,9 @@ def test_rpc_server_lost_during_a_request_is_an_error(bins: Path, model: Path, t
     with rpc_servers(bins, 2, tmp_path) as rpc, \
             server(bins, model, "-c", "1024", "-np", "1", "-fa", "on", "--kv-comp", "balanced", "--rpc", rpc.arg,
                    "-ngl", "99", log=tmp_path / "server.log") as url:
+        # (no end of text before the kill: the request must still be running)
         request = {"prompt": "Count from one to one thousand, in words:", "n_predict": 600, "temperature": 0,
-                   "cache_prompt": False}
+                   "ignore_eos": True, "cache_prompt": False}
         assert post(f"{url}/completion", {**request, "n_predict": 4})["tokens_predicted"] == 4
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending = pool.submit(post, f"{url}/completion", request)

@@ -89,6 +89,10 @@ GGML_API int32_t ggml_kvcomp_rpc_dev_caps(struct ggml_backend_device * dev);
 // the ggml types a device can hold: GGML_TYPE_COUNT, or for an rpc-server the ones it knows
 // (upstream's, GGML_KVCOMP_TYPE_FIRST, for one that does not say)
 GGML_API int32_t ggml_kvcomp_dev_n_types(struct ggml_backend_device * dev);
+// whether the server at endpoint knows the types of t and of its sources (ggml-rpc asks
+// before it sends t to learn its size: an upstream server would close the connection; patch
+// 0020). Upstream's fit step sizes a cache kept here (--no-kv-offload) that way too.
+GGML_API bool    ggml_kvcomp_rpc_knows(const char * endpoint, const struct ggml_tensor * t);
 // whether kvcomp's CPU kernels run a device's nodes (the CPU backend, or an rpc-server of
 // this build on it), and a buffer's (host memory, or such a device's)
 GGML_API bool    ggml_kvcomp_dev_cpu_kernels(struct ggml_backend_device * dev);

@@ -70,14 +70,31 @@ int32_t ggml_kvcomp_rpc_dev_caps(ggml_backend_dev_t dev) {
     return it == g_caps.end() ? 0 : it->second;
 }
 
+// the types a server knows, from its HELLO byte (0: a server that does not say, upstream's)
+static int32_t n_types_of(int32_t caps) {
+    const int32_t n = caps & (GGML_KVCOMP_RPC_CPU_KERNELS - 1);
+    return n == 0 ? (int32_t) GGML_KVCOMP_TYPE_FIRST : n;
+}
+
 int32_t ggml_kvcomp_dev_n_types(ggml_backend_dev_t dev) {
     const int32_t caps = ggml_kvcomp_rpc_dev_caps(dev);
-    if (caps < 0) {
-        return GGML_TYPE_COUNT;
+    return caps < 0 ? (int32_t) GGML_TYPE_COUNT : n_types_of(caps);
+}
+
+bool ggml_kvcomp_rpc_knows(const char * endpoint, const struct ggml_tensor * t) {
+    int32_t n_types = GGML_TYPE_COUNT;
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        const auto it = g_caps.find(endpoint);
+        if (it != g_caps.end()) {
+            n_types = n_types_of(it->second);
+        }
     }
-    const int32_t n = caps & (GGML_KVCOMP_RPC_CPU_KERNELS - 1);
-    // 0: a server that does not say, upstream's
-    return n == 0 ? (int32_t) GGML_KVCOMP_TYPE_FIRST : n;
+    bool known = (int32_t) t->type < n_types;
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        known = known && (!t->src[i] || (int32_t) t->src[i]->type < n_types);
+    }
+    return known;
 }
 
 bool ggml_kvcomp_dev_cpu_kernels(ggml_backend_dev_t dev) {
