@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import time
@@ -20,13 +21,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(bins: Path, model: Path, *extra: str, log: Path | None = None) -> Iterator[str]:
-    """A llama-server on a free loopback port; yields its base URL. Its output goes to `log`."""
+def server(bins: Path, model: Path, *extra: str, log: Path | None = None,
+           env: dict[str, str] | None = None) -> Iterator[str]:
+    """A llama-server on a free loopback port; yields its base URL. Its output goes to `log`;
+    `env` adds to its environment."""
     port = free_port()
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(log.open("w")) if log else subprocess.DEVNULL
         proc = subprocess.Popen([str(bins / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port",
-                                 str(port), "-t", "2", *extra], stdout=out, stderr=subprocess.STDOUT)
+                                 str(port), "-t", "2", *extra], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.time() + 120

@@ -5,8 +5,9 @@ their KV cache; the client's logits are compared with a local run of the same co
 (the same kernels run on the servers, so they agree to the rounding of a different thread
 split). Upstream's own rpc-server (built from the sdist without the patches), and one of this
 build that says what upstream's says, are refused with the type named before a kvc tensor is
-sent to them, and hold the layers when the cache stays here (-nkvo); one killed during a request ends that request with
-an HTTP error and leaves llama-server up. Every server is started and stopped here, by PID.
+sent to them, and hold the layers when the cache stays here (-nkvo); one killed or stopped during a request ends
+that request with an HTTP error and leaves llama-server up; one that is not there fails --rpc by name. Every server
+is started and stopped here, by PID.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from ggml_kvcomp import upstream
+from ggml_kvcomp import calibrate, upstream
 from ggml_kvcomp.kvtypes import KvConfig
 
 from .server import free_port, get, post, server
@@ -94,10 +95,11 @@ def _kld(log: str) -> float:
     return float(m.group(1))
 
 
-@pytest.mark.parametrize("config", ["f16", "kvc4", "low-latency", "balanced", "high-precision"])
+@pytest.mark.parametrize("config", ["f16", "kvc4", "low-latency", "balanced", "high-precision", "balanced:k1"])
 def test_perplexity_over_two_rpc_servers_matches_local(bins: Path, model: Path, text: Path, tmp_path: Path,
                                                         config: str) -> None:
-    kv = KvConfig.parse(config).tool_args()
+    # (balanced:k1: a kvct4 K cache, its plans and its cells' positions on the servers)
+    kv = calibrate.kv_args(KvConfig.parse(config), model)
     base = tmp_path / "local.kld"
     local = _ppl(bins, model, text, kv, "--kl-divergence-base", str(base))
     assert local.returncode == 0, local.stderr[-3000:]
@@ -130,10 +132,28 @@ def test_server_without_the_kvc_types_is_refused_by_name(bins: Path, model: Path
         assert kept.returncode == 0, (kept.stdout + kept.stderr)[-3000:]
 
 
-def test_llama_server_balanced_over_rpc(bins: Path, model: Path, tmp_path: Path) -> None:
+def test_kvct_cache_on_a_server_without_cpu_kernels_is_refused(bins: Path, model: Path, text: Path,
+                                                               tmp_path: Path) -> None:
+    """A server that knows every type but whose devices are not the CPU backend (what one with
+    a GPU says) cannot read kvct rows yet: refused with the reason, and -nkvo runs."""
+    kv = calibrate.kv_args(KvConfig.parse("balanced:k1"), model)
+    with rpc_servers(bins, 1, tmp_path, env={"GGML_KVCOMP_RPC_CAPS": "0x7f"}) as rpc:
+        proc = _ppl(bins, model, text, kv, "--rpc", rpc.arg, "-ngl", "99", timeout=120)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode > 0, log[-3000:]
+        assert "kvct4 K caches run on the CPU backend for now" in log, log[-3000:]
+        kept = _ppl(bins, model, text, kv, "--rpc", rpc.arg, "-ngl", "99", "-nkvo")
+        assert kept.returncode == 0, (kept.stdout + kept.stderr)[-3000:]
+
+
+@pytest.mark.parametrize("config", ["balanced", "balanced:k1"])
+def test_llama_server_balanced_over_rpc(bins: Path, model: Path, tmp_path: Path, config: str) -> None:
+    # a time limit the client cannot read is named in the log, and the default used
+    env = {"GGML_KVCOMP_RPC_TIMEOUT": "soon"}
+    kv = calibrate.kv_args(KvConfig.parse(config), model)
     with rpc_servers(bins, 2, tmp_path) as rpc, \
-            server(bins, model, "-c", "1024", "-np", "1", "-fa", "on", "--kv-comp", "balanced", "--metrics", "--rpc",
-                   rpc.arg, "-ngl", "99", "--slot-save-path", str(tmp_path), log=tmp_path / "server.log") as url:
+            server(bins, model, "-c", "1024", "-np", "1", "-fa", "on", *kv, "--metrics", "--rpc", rpc.arg, "-ngl", "99",
+                   "--slot-save-path", str(tmp_path), log=tmp_path / "server.log", env=env) as url:
         request = {"prompt": "Write a short note about the number 7 and why it is interesting:", "n_predict": 24,
                    "temperature": 0, "cache_prompt": False}
         body = post(f"{url}/completion", request)
@@ -146,16 +166,25 @@ def test_llama_server_balanced_over_rpc(bins: Path, model: Path, tmp_path: Path)
         assert restored["n_restored"] == saved["n_saved"]
         post(f"{url}/slots/0?action=save", {"filename": "slot0-again.bin"})
         assert (tmp_path / "slot0-again.bin").read_bytes() == first
+    log = (tmp_path / "server.log").read_text()
+    assert "GGML_KVCOMP_RPC_TIMEOUT=soon is not a number of seconds" in log
 
 
-def test_rpc_server_lost_during_a_request_is_an_error(bins: Path, model: Path, tmp_path: Path) -> None:
-    """An rpc-server killed during generation: the request ends with an HTTP error in bounded
-    time, llama-server stays up and answers every later request with an error (the lost host
-    is not reconnected, docs/distributed.md "Failures")."""
+# how long a stopped server is waited for in the tests (GGML_KVCOMP_RPC_TIMEOUT)
+STOPPED_TIMEOUT_S = 5
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_rpc_server_lost_during_a_request_is_an_error(bins: Path, model: Path, tmp_path: Path, how: str) -> None:
+    """An rpc-server killed during generation (its connection closes), or stopped (SIGSTOP:
+    the connection stays open and nothing answers): the request ends with an HTTP error in
+    bounded time, llama-server stays up and answers every later request with an error (the
+    lost host is not reconnected, docs/distributed.md "Failures")."""
+    env = {"GGML_KVCOMP_RPC_TIMEOUT": str(STOPPED_TIMEOUT_S)}
     with rpc_servers(bins, 2, tmp_path) as rpc, \
             server(bins, model, "-c", "1024", "-np", "1", "-fa", "on", "--kv-comp", "balanced", "--rpc", rpc.arg,
-                   "-ngl", "99", log=tmp_path / "server.log") as url:
-        # (no end of text before the kill: the request must still be running)
+                   "-ngl", "99", log=tmp_path / "server.log", env=env) as url:
+        # (no end of text before the loss: the request must still be running)
         request = {"prompt": "Count from one to one thousand, in words:", "n_predict": 600, "temperature": 0,
                    "ignore_eos": True, "cache_prompt": False}
         assert post(f"{url}/completion", {**request, "n_predict": 4})["tokens_predicted"] == 4
@@ -163,10 +192,13 @@ def test_rpc_server_lost_during_a_request_is_an_error(bins: Path, model: Path, t
             pending = pool.submit(post, f"{url}/completion", request)
             time.sleep(1.0)
             t0 = time.time()
-            rpc.procs[1].send_signal(signal.SIGKILL)
+            rpc.procs[1].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
             with pytest.raises(urllib.error.HTTPError) as err:
                 pending.result(timeout=120)
-            assert time.time() - t0 < 120
+            elapsed = time.time() - t0
+            assert elapsed < 120
+        if how == "stopped":
+            assert elapsed >= STOPPED_TIMEOUT_S - 1  # it was the limit that ended the wait
         assert err.value.code == 500 and "Compute error" in err.value.read().decode()
         assert get(f"{url}/health")[0] == 200
         with pytest.raises(urllib.error.HTTPError) as again:
@@ -174,3 +206,14 @@ def test_rpc_server_lost_during_a_request_is_an_error(bins: Path, model: Path, t
         assert again.value.code == 500
     log = (tmp_path / "server.log").read_text()
     assert f"RPC server {rpc.endpoints[1]}: the connection is lost" in log
+
+
+def test_unreachable_rpc_server_is_an_error(bins: Path, model: Path, text: Path) -> None:
+    """A server that is not there when the client starts: an error exit that names it, not an
+    abort."""
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    proc = _ppl(bins, model, text, ["-ctk", "kvc4", "-ctv", "kvc4"], "--rpc", endpoint, "-ngl", "99", timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode > 0, log[-3000:]
+    # (the log's own line may not be written before the exit: the error says it all)
+    assert f"cannot reach the RPC server {endpoint}: nothing listens there" in log, log[-3000:]

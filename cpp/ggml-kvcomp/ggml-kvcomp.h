@@ -86,9 +86,10 @@ GGML_API uint8_t ggml_kvcomp_rpc_server_caps(struct ggml_backend ** backends, si
 GGML_API void    ggml_kvcomp_rpc_set_caps(const char * endpoint, uint8_t caps);
 // what the server of an ggml-rpc device said (0: nothing, as upstream's); -1 for any other device
 GGML_API int32_t ggml_kvcomp_rpc_dev_caps(struct ggml_backend_device * dev);
-// the ggml types a device can hold: GGML_TYPE_COUNT, or for an rpc-server the ones it knows
-// (upstream's, GGML_KVCOMP_TYPE_FIRST, for one that does not say)
-GGML_API int32_t ggml_kvcomp_dev_n_types(struct ggml_backend_device * dev);
+// whether a device can hold t and its sources (a type), as every device can but an
+// rpc-server that does not know them (one that does not say knows upstream's types only)
+GGML_API bool    ggml_kvcomp_dev_knows(struct ggml_backend_device * dev, const struct ggml_tensor * t);
+GGML_API bool    ggml_kvcomp_dev_knows_type(struct ggml_backend_device * dev, enum ggml_type type);
 // whether the server at endpoint knows the types of t and of its sources (ggml-rpc asks
 // before it sends t to learn its size: an upstream server would close the connection; patch
 // 0020). Upstream's fit step sizes a cache kept here (--no-kv-offload) that way too.
@@ -105,6 +106,15 @@ GGML_API bool    ggml_kvcomp_buffer_cpu_kernels(struct ggml_backend_buffer * buf
 // server to finish it (one round trip each), so the graph during which one died fails too.
 GGML_API void    ggml_kvcomp_rpc_lost(const char * endpoint, void * output, size_t output_size);
 GGML_API bool    ggml_kvcomp_rpc_any_lost(void);
+// A server that stops answering without closing its connection (stopped, hung, or cut off
+// by the network) is lost once a reply, or the sending of a command, has waited
+// GGML_KVCOMP_RPC_TIMEOUT seconds (0: without limit); ggml-rpc applies it to each connection
+// it opens. A reply waits behind the graph the server computes, so the limit must exceed the
+// longest graph. A server that cannot be reached at all has no devices: --rpc fails with
+// its name rather than aborting (patch 0021).
+#define GGML_KVCOMP_RPC_TIMEOUT_DEFAULT 300
+GGML_API void    ggml_kvcomp_rpc_client_socket(uintptr_t fd);
+GGML_API void    ggml_kvcomp_rpc_unreachable(const char * endpoint);
 
 #ifdef __cplusplus
 }

@@ -80,14 +80,8 @@ const struct ggml_tensor * ggml_kvct_get_positions(const struct ggml_tensor * no
 }
 
 bool ggml_kvcomp_dev_supports_op(struct ggml_backend_device * dev, const struct ggml_tensor * op) {
-    const int32_t n_types = ggml_kvcomp_dev_n_types(dev);
-    if ((int32_t) op->type >= n_types) {
+    if (!ggml_kvcomp_dev_knows(dev, op)) {
         return false;
-    }
-    for (int i = 0; i < GGML_MAX_SRC; ++i) {
-        if (op->src[i] && (int32_t) op->src[i]->type >= n_types) {
-            return false;
-        }
     }
     const bool kvct = (op->op == GGML_OP_SET_ROWS && ggml_kvcomp_is_kvct(op->type)) ||
                       (op->op == GGML_OP_FLASH_ATTN_EXT && ggml_kvcomp_is_kvct(op->src[1]->type));

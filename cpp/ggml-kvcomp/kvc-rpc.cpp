@@ -18,23 +18,70 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
+
+#ifdef _WIN32
+#    define WIN32_LEAN_AND_MEAN
+#    include <winsock2.h>
+typedef SOCKET socket_fd;
+#else
+#    include <sys/socket.h>
+#    include <sys/time.h>
+typedef int socket_fd;
+#endif
 
 namespace {
 
-std::mutex                     g_mutex;
-std::map<std::string, uint8_t> g_caps; // by endpoint, as the client's HELLO found it
-std::set<std::string>          g_lost; // servers whose connection failed
-std::set<ggml_backend_dev_t>   g_devs; // the devices of those servers the op-support rule asked about
+std::mutex                                     g_mutex;
+std::map<std::string, uint8_t>                 g_caps;        // by endpoint, as the client's HELLO found it
+std::unordered_map<ggml_backend_dev_t, int32_t> g_dev_caps;   // the same by device, for the op-support rule
+std::set<std::string>                          g_lost;        // servers whose connection failed
+std::set<std::string>                          g_unreachable; // servers that could not be reached
 
-// a device of ggml-rpc (its registry is "RPC"), described by its server's endpoint
-bool rpc_endpoint(ggml_backend_dev_t dev, std::string & endpoint) {
+bool is_rpc_dev(ggml_backend_dev_t dev) {
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
-    if (!reg || strcmp(ggml_backend_reg_name(reg), "RPC") != 0) {
-        return false;
+    return reg && strcmp(ggml_backend_reg_name(reg), "RPC") == 0;
+}
+
+// the CPU backend itself: kvcomp's CPU kernels are its kernels (other devices of type CPU,
+// such as accelerators that register as one, run their own)
+bool is_cpu_backend_dev(ggml_backend_dev_t dev) {
+    return dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU && strcmp(ggml_backend_dev_name(dev), "CPU") == 0;
+}
+
+// the types a server knows, from its HELLO byte (0: a server that does not say, upstream's)
+int32_t n_types_of(int32_t caps) {
+    const int32_t n = caps & (GGML_KVCOMP_RPC_CPU_KERNELS - 1);
+    return n == 0 ? (int32_t) GGML_KVCOMP_TYPE_FIRST : n;
+}
+
+bool types_below(const ggml_tensor * t, int32_t n_types) {
+    bool below = (int32_t) t->type < n_types;
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        below = below && (!t->src[i] || (int32_t) t->src[i]->type < n_types);
     }
-    endpoint = ggml_backend_dev_description(dev);
-    return true;
+    return below;
+}
+
+int32_t parse_rpc_timeout_s() {
+    const char * v = getenv("GGML_KVCOMP_RPC_TIMEOUT");
+    if (!v) {
+        return GGML_KVCOMP_RPC_TIMEOUT_DEFAULT;
+    }
+    char * end = nullptr;
+    const long s = strtol(v, &end, 10);
+    if (end == v || *end != '\0' || s < 0 || s > 86400) {
+        GGML_LOG_ERROR("GGML_KVCOMP_RPC_TIMEOUT=%s is not a number of seconds from 0 (no limit) to 86400: using %d\n",
+                       v, GGML_KVCOMP_RPC_TIMEOUT_DEFAULT);
+        return GGML_KVCOMP_RPC_TIMEOUT_DEFAULT;
+    }
+    return (int32_t) s;
+}
+
+int32_t rpc_timeout_s() {
+    static const int32_t s = parse_rpc_timeout_s();
+    return s;
 }
 
 } // namespace
@@ -47,9 +94,7 @@ uint8_t ggml_kvcomp_rpc_server_caps(ggml_backend_t * backends, size_t n) {
     static_assert(GGML_TYPE_COUNT < GGML_KVCOMP_RPC_CPU_KERNELS, "the type count must fit in 7 bits");
     bool cpu = n > 0;
     for (size_t i = 0; i < n; ++i) {
-        ggml_backend_dev_t dev = ggml_backend_get_device(backends[i]);
-        cpu = cpu && dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU &&
-              strcmp(ggml_backend_dev_name(dev), "CPU") == 0;
+        cpu = cpu && is_cpu_backend_dev(ggml_backend_get_device(backends[i]));
     }
     return (uint8_t) (GGML_TYPE_COUNT | (cpu ? GGML_KVCOMP_RPC_CPU_KERNELS : 0));
 }
@@ -57,28 +102,39 @@ uint8_t ggml_kvcomp_rpc_server_caps(ggml_backend_t * backends, size_t n) {
 void ggml_kvcomp_rpc_set_caps(const char * endpoint, uint8_t caps) {
     std::lock_guard<std::mutex> lock(g_mutex);
     g_caps[endpoint] = caps;
+    g_unreachable.erase(endpoint);
+    // a server reached again may be another build: its devices are looked up anew
+    for (auto & dc : g_dev_caps) {
+        if (strcmp(ggml_backend_dev_description(dc.first), endpoint) == 0) {
+            dc.second = caps;
+        }
+    }
 }
 
 int32_t ggml_kvcomp_rpc_dev_caps(ggml_backend_dev_t dev) {
-    std::string endpoint;
-    if (!rpc_endpoint(dev, endpoint)) {
+    if (!is_rpc_dev(dev)) {
         return -1;
     }
     std::lock_guard<std::mutex> lock(g_mutex);
-    g_devs.insert(dev);
-    const auto it = g_caps.find(endpoint);
-    return it == g_caps.end() ? 0 : it->second;
+    const auto hit = g_dev_caps.find(dev);
+    if (hit != g_dev_caps.end()) {
+        return hit->second;
+    }
+    // an ggml-rpc device is described by its server's endpoint
+    const auto it = g_caps.find(ggml_backend_dev_description(dev));
+    const int32_t caps = it == g_caps.end() ? 0 : it->second;
+    g_dev_caps.emplace(dev, caps);
+    return caps;
 }
 
-// the types a server knows, from its HELLO byte (0: a server that does not say, upstream's)
-static int32_t n_types_of(int32_t caps) {
-    const int32_t n = caps & (GGML_KVCOMP_RPC_CPU_KERNELS - 1);
-    return n == 0 ? (int32_t) GGML_KVCOMP_TYPE_FIRST : n;
-}
-
-int32_t ggml_kvcomp_dev_n_types(ggml_backend_dev_t dev) {
+bool ggml_kvcomp_dev_knows(ggml_backend_dev_t dev, const struct ggml_tensor * t) {
     const int32_t caps = ggml_kvcomp_rpc_dev_caps(dev);
-    return caps < 0 ? (int32_t) GGML_TYPE_COUNT : n_types_of(caps);
+    return caps < 0 || types_below(t, n_types_of(caps));
+}
+
+bool ggml_kvcomp_dev_knows_type(ggml_backend_dev_t dev, enum ggml_type type) {
+    const int32_t caps = ggml_kvcomp_rpc_dev_caps(dev);
+    return caps < 0 || (int32_t) type < n_types_of(caps);
 }
 
 bool ggml_kvcomp_rpc_knows(const char * endpoint, const struct ggml_tensor * t) {
@@ -90,18 +146,11 @@ bool ggml_kvcomp_rpc_knows(const char * endpoint, const struct ggml_tensor * t) 
             n_types = n_types_of(it->second);
         }
     }
-    bool known = (int32_t) t->type < n_types;
-    for (int i = 0; i < GGML_MAX_SRC; ++i) {
-        known = known && (!t->src[i] || (int32_t) t->src[i]->type < n_types);
-    }
-    return known;
+    return types_below(t, n_types);
 }
 
 bool ggml_kvcomp_dev_cpu_kernels(ggml_backend_dev_t dev) {
-    if (!dev) {
-        return false;
-    }
-    if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU && strcmp(ggml_backend_dev_name(dev), "CPU") == 0) {
+    if (is_cpu_backend_dev(dev)) {
         return true;
     }
     const int32_t caps = ggml_kvcomp_rpc_dev_caps(dev);
@@ -118,6 +167,34 @@ bool ggml_kvcomp_buffer_cpu_kernels(ggml_backend_buffer_t buf) {
     return ggml_kvcomp_dev_cpu_kernels(ggml_backend_buft_get_device(ggml_backend_buffer_get_type(buf)));
 }
 
+void ggml_kvcomp_rpc_client_socket(uintptr_t fd) {
+    const int32_t timeout_s = rpc_timeout_s();
+    if (timeout_s == 0) {
+        return;
+    }
+#ifdef _WIN32
+    const DWORD tv = (DWORD) timeout_s * 1000;
+#else
+    struct timeval tv = {};
+    tv.tv_sec = timeout_s;
+#endif
+    // a reply waits behind the graph the server is computing, so the limit bounds a graph too
+    if (setsockopt((socket_fd) fd, SOL_SOCKET, SO_RCVTIMEO, (const char *) &tv, sizeof(tv)) != 0 ||
+        setsockopt((socket_fd) fd, SOL_SOCKET, SO_SNDTIMEO, (const char *) &tv, sizeof(tv)) != 0) {
+        GGML_LOG_WARN("RPC: could not set a %d s limit on the connection's replies: a server that stops answering "
+                      "will hang this process\n", timeout_s);
+    }
+}
+
+void ggml_kvcomp_rpc_unreachable(const char * endpoint) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (g_unreachable.insert(endpoint).second) {
+        GGML_LOG_ERROR("RPC server %s: cannot connect, or it did not answer the HELLO (no server listens there, it is "
+                       "not a ggml-rpc-server, its protocol differs, or it did not answer within %d s)\n",
+                       endpoint, rpc_timeout_s());
+    }
+}
+
 void ggml_kvcomp_rpc_lost(const char * endpoint, void * output, size_t output_size) {
     // the caller reads zeros rather than whatever its buffer held; the graph that needed
     // them fails at the next computation (ggml_kvcomp_rpc_any_lost)
@@ -125,9 +202,13 @@ void ggml_kvcomp_rpc_lost(const char * endpoint, void * output, size_t output_si
         memset(output, 0, output_size);
     }
     std::lock_guard<std::mutex> lock(g_mutex);
+    if (g_unreachable.count(endpoint)) {
+        return; // never connected: it has no devices, and nothing computes on it
+    }
     if (g_lost.insert(endpoint).second) {
-        GGML_LOG_ERROR("RPC server %s: the connection is lost (the server stopped, crashed or closed it): every "
-                       "computation that needs it fails from now on\n", endpoint);
+        GGML_LOG_ERROR("RPC server %s: the connection is lost (the server stopped, crashed, closed it, or did not "
+                       "answer within GGML_KVCOMP_RPC_TIMEOUT = %d s): every computation that needs it fails from now "
+                       "on\n", endpoint, rpc_timeout_s());
     }
 }
 
@@ -138,7 +219,9 @@ bool ggml_kvcomp_rpc_any_lost(void) {
         if (!g_lost.empty()) {
             return true;
         }
-        devs.assign(g_devs.begin(), g_devs.end());
+        for (const auto & dc : g_dev_caps) {
+            devs.push_back(dc.first);
+        }
     }
     // A graph is sent to a server without waiting for a reply, so a server that dies while
     // computing it is only noticed at the next command that reads one. Each server answers

@@ -513,7 +513,7 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     const int32_t ib  = layer_of_il[il];
     if (is_k && plans) {
         // the attention node takes the plans from here (llama_kvcomp_add_exact finds them by name)
-        ggml_tensor * pv = ggml_kvct_plans_view(ctx0, plans->tensor(ib), plans->has_rope(ib) ? plans->positions() : nullptr);
+        ggml_tensor * pv = ggml_kvct_plans_view(ctx0, plans->tensor(ib), plans->has_rope(ib) ? plans->positions(ib) : nullptr);
         ggml_format_name(pv, "kvcomp_plans_k-%d", il);
         ggml_format_name(main_view, "kvcomp_main_k-%d", il);
     }
@@ -613,14 +613,15 @@ void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tens
     if (plans && plans->pre_rope()) {
         // where attention turns the kvct rows to: every cell's position now (the ubatch's
         // cells included; a shift moved them)
-        ggml_tensor * pos = plans->positions();
-        int32_t * p = (int32_t *) pos->data;
+        const ggml_tensor * pos = plans->positions(0);
+        std::vector<int32_t> p(ggml_nelements(pos));
         for (int64_t strm = 0; strm < pos->ne[1]; ++strm) {
             const auto & cells = kv.v_cells[strm];
             for (int64_t c = 0; c < pos->ne[0]; ++c) {
                 p[strm * pos->ne[0] + c] = cells.is_empty((uint32_t) c) ? 0 : cells.pos_get((uint32_t) c);
             }
         }
+        plans->set_positions(p);
     }
     if (!buffered) {
         std::vector<float> main(ggml_nelements(dst));
@@ -1188,14 +1189,6 @@ int32_t llama_kvcomp_buffer::set_k_stats(llama_kv_cache & kv, const std::shared_
     if (kv.v_trans) {
         return llama_kvcomp_fail(-2, std::string("a ") + ggml_type_name(type_k) + " K cache needs flash attention (-fa on)");
     }
-    for (const auto & l : kv.layers) {
-        if (!l.k->buffer || !ggml_backend_buffer_is_host(l.k->buffer)) {
-            // (an rpc-server's CPU could run them, but the plans and the cells' positions are
-            // kept in this process's memory)
-            return llama_kvcomp_fail(-2, std::string(ggml_type_name(type_k)) + " K caches run on this process's CPU backend for "
-                                         "now (issue 21): keep the KV cache in host memory (--no-kv-offload, or -ngl 0)");
-        }
-    }
     for (uint32_t strm = 0; strm < kv.n_stream; ++strm) {
         if (kv.v_cells[strm].get_used() > 0) {
             return llama_kvcomp_fail(-2, "the K statistics are set before the cache holds tokens (its rows would be read with "
@@ -1268,13 +1261,19 @@ bool llama_kvcomp_buffer::get_layer_stats(int32_t il, llama_kvcomp_layer_stats &
 }
 
 void llama_kvcomp_check_device(ggml_backend_dev_t dev, int32_t il, ggml_type type_k, ggml_type type_v) {
-    const int32_t n_types = ggml_kvcomp_dev_n_types(dev);
     for (const ggml_type t : { type_k, type_v }) {
-        if ((int32_t) t >= n_types) {
+        if (!ggml_kvcomp_dev_knows_type(dev, t)) {
             throw std::runtime_error(std::string("kvcomp: the KV cache of layer ") + std::to_string(il) + " would live on " +
                                      ggml_backend_dev_name(dev) + " (" + ggml_backend_dev_description(dev) + "), an rpc-server that does not know the type " +
                                      ggml_type_name(t) + " (one built without the kvcomp types, such as upstream's): run "
                                      "this build's ggml-rpc-server there, or keep the KV cache here with --no-kv-offload");
         }
+    }
+    // (the plans are fitted later, but the context's first graph already places the rows' writes)
+    if (ggml_kvcomp_is_kvct(type_k) && !ggml_kvcomp_dev_cpu_kernels(dev)) {
+        throw std::runtime_error(std::string("kvcomp: the KV cache of layer ") + std::to_string(il) + " would live on " +
+                                 ggml_backend_dev_name(dev) + " (" + ggml_backend_dev_description(dev) + "): " +
+                                 ggml_type_name(type_k) + " K caches run on the CPU backend for now, here or on an "
+                                 "rpc-server of this build (issue 21): keep the KV cache in host memory (--no-kv-offload)");
     }
 }

@@ -241,7 +241,8 @@ private:
 void llama_kvcomp_add_exact(ggml_context * ctx, ggml_tensor * fa);
 
 // Hook in the KV cache's constructor (patch 0020), for layer il's cells on device dev: throws
-// with the reason when dev is an rpc-server that does not know type_k or type_v (one without
-// the kvcomp types would close the connection at the first such tensor, and the client would
-// abort), before anything is allocated there.
+// with the reason, before anything is allocated there, when dev is an rpc-server that does
+// not know type_k or type_v (one without the kvcomp types would close the connection at the
+// first such tensor), or when type_k is a kvct type and dev does not run kvcomp's CPU kernels
+// (no other backend reads kvct rows yet: the first graph would abort on the rows' writes).
 void llama_kvcomp_check_device(ggml_backend_dev_t dev, int32_t il, ggml_type type_k, ggml_type type_v);

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -121,28 +122,32 @@ llama_kvcomp_plans::llama_kvcomp_plans(const std::vector<layer_desc> & layers, c
         row_size.push_back(ggml_row_size(l.k->type, d));
     }
 
-    ggml_init_params ip = { (n_layer + 1) * ggml_tensor_overhead(), nullptr, true };
-    ctx = ggml_init(ip);
-    if (!ctx) {
-        throw std::runtime_error("kvcomp: failed to create the plans' context");
-    }
+    pre = stats.pre_rope && n_layer > 0;
     for (size_t ib = 0; ib < n_layer; ++ib) {
-        tensors.push_back(ggml_new_tensor_1d(ctx, GGML_TYPE_I8, (int64_t) (plans[ib].size() * sizeof(kvc_t_plan) + sizeof(kvc_t_rope))));
+        ggml_backend_buffer_type_t buft = layers[ib].k->buffer ? ggml_backend_buffer_get_type(layers[ib].k->buffer) :
+                                                                 ggml_backend_cpu_buffer_type();
+        ggml_context * c = storage.ctx_for(buft, n_layer + 1);
+        tensors.push_back(ggml_new_tensor_1d(c, GGML_TYPE_I8, (int64_t) (plans[ib].size() * sizeof(kvc_t_plan) + sizeof(kvc_t_rope))));
         ggml_format_name(tensors.back(), "kvcomp_plans_l%d", layers[ib].il);
+        if (pre) {
+            // a new context is a new buffer type: the positions go there too
+            ggml_tensor * p = ggml_get_tensor(c, "kvcomp_cell_pos");
+            if (!p) {
+                p = ggml_new_tensor_2d(c, GGML_TYPE_I32, layers[0].k->ne[1], layers[0].k->ne[2]);
+                ggml_set_name(p, "kvcomp_cell_pos");
+                pos_all.push_back(p);
+            }
+            pos_of.push_back(p);
+        }
     }
-    if (stats.pre_rope && n_layer > 0) {
-        pos = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, layers[0].k->ne[1], layers[0].k->ne[2]);
-        ggml_set_name(pos, "kvcomp_cell_pos");
-    }
-    // the kernels that read them run on the CPU
-    buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
-    if (!buf) {
-        ggml_free(ctx);
-        throw std::runtime_error("kvcomp: failed to allocate the plans");
+    storage.alloc("kvct plans");
+    if (pre) {
+        pos_sent.assign(ggml_nelements(pos_all[0]), 0);
     }
     uint64_t hv = 1469598103934665603ull; // FNV-1a over every plan's bytes
     kvc_t_rope none;
     std::memset(&none, 0, sizeof(none));
+    ropes.assign(n_layer, none);
     for (size_t ib = 0; ib < n_layer; ++ib) {
         const size_t nb = plans[ib].size() * sizeof(kvc_t_plan);
         ggml_backend_tensor_set(tensors[ib], plans[ib].data(), 0, nb);
@@ -194,13 +199,24 @@ std::string llama_kvcomp_plans::recode(int32_t ib, ggml_tensor * k, const kvc_t_
     return "";
 }
 
-llama_kvcomp_plans::~llama_kvcomp_plans() {
-    ggml_backend_buffer_free(buf);
-    ggml_free(ctx);
-}
+llama_kvcomp_plans::~llama_kvcomp_plans() = default;
 
-size_t llama_kvcomp_plans::nbytes() const {
-    return buf ? ggml_backend_buffer_get_size(buf) : 0;
+void llama_kvcomp_plans::set_positions(const std::vector<int32_t> & p) {
+    GGML_ASSERT(p.size() == pos_sent.size());
+    size_t first = 0, last = p.size();
+    while (first < last && p[first] == pos_sent[first]) {
+        ++first;
+    }
+    while (last > first && p[last - 1] == pos_sent[last - 1]) {
+        --last;
+    }
+    if (first == last) {
+        return;
+    }
+    for (ggml_tensor * t : pos_all) {
+        ggml_backend_tensor_set(t, p.data() + first, first * sizeof(int32_t), (last - first) * sizeof(int32_t));
+    }
+    std::copy(p.begin() + first, p.begin() + last, pos_sent.begin() + first);
 }
 
 bool llama_kvcomp_plans::set_rope(int32_t ib, const ggml_tensor * node) {
@@ -225,6 +241,7 @@ bool llama_kvcomp_plans::set_rope(int32_t ib, const ggml_tensor * node) {
     }
     if (std::memcmp(&rope(ib), &r, sizeof(r)) != 0) {
         ggml_backend_tensor_set(tensors[ib], &r, plans[ib].size() * sizeof(kvc_t_plan), sizeof(r));
+        ropes[ib] = r;
     }
     return true;
 }

@@ -9,6 +9,7 @@
 
 #include "ggml-kvcomp.h"
 #include "kvc-transform.h"
+#include "kvcomp-storage.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -51,9 +52,10 @@ struct llama_kvcomp_plans {
         int64_t d;
     };
 
-    // Fits the plans of every cache layer and puts them in a host buffer; throws
-    // std::runtime_error with the reason when the statistics do not fit the cache (another
-    // model's shape, missing layers, statistics a plan refuses).
+    // Fits the plans of every cache layer and puts them beside the layer's K rows (the K
+    // tensor's buffer type: host memory, or the rpc-server of the layer, whose CPU backend
+    // reads them); throws std::runtime_error with the reason when the statistics do not fit
+    // the cache (another model's shape, missing layers, statistics a plan refuses).
     llama_kvcomp_plans(const std::vector<layer_desc> & layers, const llama_kvcomp_kstats & stats);
     ~llama_kvcomp_plans();
 
@@ -62,10 +64,13 @@ struct llama_kvcomp_plans {
 
     // Plans fitted before RoPE: the cache codes K as the model computed it before RoPE, and
     // attention turns each row to its cell's position (the cells' positions are in
-    // positions(), I32 [cells, streams], which the cache fills before every ubatch). A RoPE
-    // shift of the cache then only moves positions.
-    bool pre_rope() const { return pos != nullptr; }
-    ggml_tensor * positions() const { return pos; }
+    // positions(ib), I32 [cells, streams], one copy per buffer type, which set_positions
+    // fills before every ubatch). A RoPE shift of the cache then only moves positions.
+    bool pre_rope() const { return pre; }
+    ggml_tensor * positions(int32_t ib) const { return pos_of[ib]; }
+    // every cell's position (0 for an empty one), [streams][cells]; sends each copy the
+    // range that changed since the last call (one cell a decoded token)
+    void set_positions(const std::vector<int32_t> & p);
 
     // Cache layer ib's RoPE, from the graph's RoPE node of K (op_params, frequency factors):
     // false, leaving the layer as it was, for a RoPE the plans' pairs cannot follow.
@@ -91,20 +96,21 @@ struct llama_kvcomp_plans {
     std::string recode(int32_t ib, ggml_tensor * k, const kvc_t_plan * from, size_t n_from, bool from_pre_rope,
                        const std::vector<uint64_t> & rows) const;
     size_t n_head(int32_t ib) const { return plans[ib].size(); }
-    size_t   nbytes() const;
+    size_t nbytes() const { return storage.nbytes(); }
 
 private:
     std::vector<std::vector<kvc_t_plan>> plans; // [cache layer][KV head]
-    // cache layer ib's RoPE, after its plans in its (host) tensor; n_pairs 0 until set_rope
-    const kvc_t_rope & rope(int32_t ib) const {
-        return *(const kvc_t_rope *) ((const char *) tensors[ib]->data + plans[ib].size() * sizeof(kvc_t_plan));
-    }
+    // cache layer ib's RoPE (n_pairs 0 until set_rope), as its tensor holds it after its plans
+    const kvc_t_rope & rope(int32_t ib) const { return ropes[ib]; }
+    std::vector<kvc_t_rope>    ropes;
     std::vector<ggml_tensor *> tensors;
-    ggml_tensor * pos = nullptr;
+    bool                       pre = false;
+    std::vector<ggml_tensor *> pos_of;   // [cache layer]: the positions in its buffer type
+    std::vector<ggml_tensor *> pos_all;  // one per buffer type
+    std::vector<int32_t>       pos_sent; // what every copy holds
     std::vector<size_t> row_size; // bytes of one head's row, per cache layer
     uint64_t hash = 0;
-    ggml_context *        ctx = nullptr;
-    ggml_backend_buffer_t buf = nullptr;
+    llama_kvcomp_storage storage;
 };
 
 // The GGUF keys and tensor names of a statistics file, shared with the tool that writes it.
