@@ -98,7 +98,9 @@ def _kld(log: str) -> float:
 
 
 @pytest.mark.parametrize(("model_name", "config"), [
-    *[("smollm2-135m", c) for c in ["f16", "kvc4", "low-latency", "balanced", "high-precision", "balanced:k1"]],
+    # every kvc type: kvc8 (high-precision), kvc4, kvc3 (balanced's V), kvc2, kvct4, kvct3
+    *[("smollm2-135m", c) for c in ["f16", "kvc4", "low-latency", "balanced", "high-precision", "balanced:k1",
+                                     "kvct3/kvc2"]],
     # two caches (sliding window and full), a kvct4 K cache with its plans and positions, the buffer
     ("gemma3-270m", "balanced:k1"),
 ])

@@ -84,8 +84,6 @@ GGML_API bool ggml_kvcomp_dev_supports_op(struct ggml_backend_device * dev, cons
 GGML_API uint8_t ggml_kvcomp_rpc_server_caps(struct ggml_backend ** backends, size_t n);
 // the client keeps what the server at endpoint said
 GGML_API void    ggml_kvcomp_rpc_set_caps(const char * endpoint, uint8_t caps);
-// what the server of an ggml-rpc device said (0: nothing, as upstream's); -1 for any other device
-GGML_API int32_t ggml_kvcomp_rpc_dev_caps(struct ggml_backend_device * dev);
 // whether a device can hold t and its sources (a type), as every device can but an
 // rpc-server that does not know them (one that does not say knows upstream's types only)
 GGML_API bool    ggml_kvcomp_dev_knows(struct ggml_backend_device * dev, const struct ggml_tensor * t);

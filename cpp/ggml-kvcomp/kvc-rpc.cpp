@@ -111,7 +111,8 @@ void ggml_kvcomp_rpc_set_caps(const char * endpoint, uint8_t caps) {
     }
 }
 
-int32_t ggml_kvcomp_rpc_dev_caps(ggml_backend_dev_t dev) {
+// what the server of an ggml-rpc device said (0: nothing, as upstream's); -1 for any other device
+static int32_t rpc_dev_caps(ggml_backend_dev_t dev) {
     if (!is_rpc_dev(dev)) {
         return -1;
     }
@@ -128,12 +129,12 @@ int32_t ggml_kvcomp_rpc_dev_caps(ggml_backend_dev_t dev) {
 }
 
 bool ggml_kvcomp_dev_knows(ggml_backend_dev_t dev, const struct ggml_tensor * t) {
-    const int32_t caps = ggml_kvcomp_rpc_dev_caps(dev);
+    const int32_t caps = rpc_dev_caps(dev);
     return caps < 0 || types_below(t, n_types_of(caps));
 }
 
 bool ggml_kvcomp_dev_knows_type(ggml_backend_dev_t dev, enum ggml_type type) {
-    const int32_t caps = ggml_kvcomp_rpc_dev_caps(dev);
+    const int32_t caps = rpc_dev_caps(dev);
     return caps < 0 || (int32_t) type < n_types_of(caps);
 }
 
@@ -153,7 +154,7 @@ bool ggml_kvcomp_dev_cpu_kernels(ggml_backend_dev_t dev) {
     if (is_cpu_backend_dev(dev)) {
         return true;
     }
-    const int32_t caps = ggml_kvcomp_rpc_dev_caps(dev);
+    const int32_t caps = rpc_dev_caps(dev);
     return caps > 0 && (caps & GGML_KVCOMP_RPC_CPU_KERNELS) != 0;
 }
 

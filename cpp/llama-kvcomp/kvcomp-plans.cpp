@@ -199,8 +199,6 @@ std::string llama_kvcomp_plans::recode(int32_t ib, ggml_tensor * k, const kvc_t_
     return "";
 }
 
-llama_kvcomp_plans::~llama_kvcomp_plans() = default;
-
 void llama_kvcomp_plans::set_positions(const std::vector<int32_t> & p) {
     GGML_ASSERT(p.size() == pos_sent.size());
     size_t first = 0, last = p.size();

@@ -57,7 +57,6 @@ struct llama_kvcomp_plans {
     // reads them); throws std::runtime_error with the reason when the statistics do not fit
     // the cache (another model's shape, missing layers, statistics a plan refuses).
     llama_kvcomp_plans(const std::vector<layer_desc> & layers, const llama_kvcomp_kstats & stats);
-    ~llama_kvcomp_plans();
 
     // cache layer ib: its plans as a tensor ([n_head_kv * sizeof(kvc_t_plan) + sizeof(kvc_t_rope)] I8)
     ggml_tensor * tensor(int32_t ib) const { return tensors[ib]; }
