@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -196,8 +197,9 @@ struct fa_src {
     bool ref = false;                    // kvct rows through the format's reference
     // kvct rows coded before RoPE: the layer's RoPE and the positions of the cache's cells
     // ([cells, streams]; this source's first stream is s0)
-    const kvc_t_rope * rope = nullptr;
-    const int32_t *    pos  = nullptr;
+    const kvc_t_rope *       rope  = nullptr;
+    const kvc_t_rope_steps * steps = nullptr;
+    const int32_t *          pos   = nullptr;
     int64_t            pos_ne0 = 0, s0 = 0;
 
     const char * row(int64_t j, int64_t hk, int64_t s) const {
@@ -236,7 +238,7 @@ struct fa_src {
     // the walk of this source's keys of KV head hk (unused without a RoPE)
     void walk_init(kvc_t_rope_walk & w, int64_t hk) const {
         if (rope) {
-            kvc_t_rope_walk_init(&w, rope, &plans[hk]);
+            kvc_t_rope_walk_init(&w, rope, steps, &plans[hk]);
         }
     }
 };
@@ -262,6 +264,7 @@ struct fa_node {
     ggml_tensor *       dst;
     fa_src   k[KVC_FA_N_SRC], v[KVC_FA_N_SRC]; // main cells, exact slots, exact rows of the ubatch (F32 read as F16)
     std::vector<kvc_t_decoder> k_plans;       // per KV head of a kvct main K
+    std::unique_ptr<kvc_t_rope_steps> k_steps; // the steps of its RoPE (rows coded before RoPE)
     int64_t  DK, DV, n_q, n_head, n_head_kv, n_stream, G, n_keys;
     float    scale, softcap, max_bias, m0, m1;
     uint32_t n_head_log2;
@@ -804,7 +807,10 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
             const ggml_tensor * pos = ggml_kvct_get_positions(dst);
             GGML_ASSERT(rope->n_pairs * 2 == k->ne[0] && pos && pos->type == GGML_TYPE_I32 &&
                         "kvcomp: kvct rows coded before RoPE are read with their cells' positions");
+            a.k_steps.reset(new kvc_t_rope_steps);
+            kvc_t_rope_steps_init(a.k_steps.get(), rope);
             a.k[0].rope    = rope;
+            a.k[0].steps   = a.k_steps.get();
             a.k[0].pos     = (const int32_t *) pos->data;
             a.k[0].pos_ne0 = pos->ne[0];
             // the view's first stream of the cache

@@ -5,6 +5,57 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define KVC_T_VBMI
+#endif
+#endif
+
+#if defined(KVC_T_VBMI)
+// The VBMI decoder's tables (kvc-kvct-cpu.h): code byte i of a chunk is channel
+// 16 (i / 4 % 4) + 4 (i / 16) + i % 4; the words of its qword lane start at the codes of
+// channels 16 (2 (i / 8 % 2)) + 4 (i / 16) (bytes 0-3 of the lane) and 16 more (bytes 4-7).
+// Each word holds its 4 codes: at most 7 bits before the first and 4 x 8 bits of codes.
+static void kvc_t_vbmi_init(kvc_t_decoder * dec) {
+    const kvc_t_plan * plan = dec->plan;
+    float mag[256] = { 0 };
+    for (int b = 1; b <= KVC_T_MAX_BITS; ++b) {
+        const float * l = kvc_t_levels_of(b);
+        const int h = 1 << (b - 1);
+        for (int k = 0; k < h; ++k) {
+            mag[(b == 8 ? 128 : h - 1) + k] = l[h + k];
+        }
+    }
+    for (int i = 0; i < 256; ++i) {
+        uint32_t u;
+        memcpy(&u, &mag[i], sizeof(u));
+        for (int p = 0; p < 4; ++p) {
+            dec->vb_plane[p][i] = (uint8_t) (u >> (8 * p));
+        }
+    }
+    for (int32_t m = 0; m < plan->d / 64; ++m) {
+        const int32_t c0 = 64 * m, w0 = dec->boff[c0];
+        dec->vb_w0[m]   = w0;
+        dec->vb_has8[m] = false;
+        for (int32_t i = 0; i < 64; ++i) {
+            const int32_t ch = c0 + 16 * (i / 4 % 4) + 4 * (i / 16) + i % 4;
+            const int32_t fa = c0 + 32 * (i / 8 % 2) + 4 * (i / 16);
+            const int32_t ba = dec->boff[fa], bb = dec->boff[fa + 16];
+            const int32_t t = i % 8, b = plan->bits[ch];
+            dec->vb_perm_a[c0 + i] = (uint8_t) (ba - w0 + t);
+            dec->vb_perm_b[c0 + i] = (uint8_t) (bb - w0 + t);
+            dec->vb_ctrl[c0 + i]   = (uint8_t) (8 * (dec->boff[ch] - (t < 4 ? ba : bb)) + dec->shift[ch]);
+            dec->vb_mask[c0 + i]   = (uint8_t) dec->mask[ch];
+            dec->vb_top[c0 + i]    = b > 0 ? (uint8_t) (1 << (b - 1)) : 0;
+            dec->vb_low[c0 + i]    = b > 0 ? (uint8_t) ((1 << (b - 1)) - 1) : 0;
+            dec->vb_moff[c0 + i]   = b == 0 ? 127 : b == 8 ? 128 : (uint8_t) ((1 << (b - 1)) - 1);
+            dec->vb_has8[m] |= b == 8;
+        }
+    }
+}
+#endif
+
 void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan) {
     const int32_t d = plan->d, n = d / 2;
     dec->plan = plan;
@@ -40,8 +91,83 @@ void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan) {
         dec->base[a] = rc * plan->mean[a] + rs * plan->mean[b];
         dec->base[b] = rc * plan->mean[b] - rs * plan->mean[a];
     }
+#if defined(KVC_T_VBMI)
+    kvc_t_vbmi_init(dec);
+#endif
 }
 
+#if defined(KVC_T_VBMI)
+static inline __mmask64 kvc_t_bytes_mask(int64_t n) {
+    return n <= 0 ? 0 : n >= 64 ? ~(__mmask64) 0 : (((__mmask64) 1 << n) - 1);
+}
+
+static inline __m512i kvc_t_load64(const uint8_t * p) {
+    return _mm512_loadu_si512((const void *) p);
+}
+
+// Chunk m of row x (row scale vs): its 64 coefficients plus base, channels 64 m + 16 q .. + 15
+// in f[q]. Only the row's own bytes are read (masked loads).
+static inline void kvc_t_vbmi_chunk(const kvc_t_decoder * dec, const uint8_t * x, int32_t m, __m512 vs, const float * base,
+                                    __m512 f[4]) {
+    const int32_t c0 = 64 * m;
+    const int64_t n  = (int64_t) dec->row_bytes - dec->vb_w0[m];
+    const __m512i lo = _mm512_maskz_loadu_epi8(kvc_t_bytes_mask(n), x + dec->vb_w0[m]);
+    const __m512i hi = n > 64 ? _mm512_maskz_loadu_epi8(kvc_t_bytes_mask(n - 64), x + dec->vb_w0[m] + 64) : _mm512_setzero_si512();
+    const __m512i wa = _mm512_permutex2var_epi8(lo, kvc_t_load64(dec->vb_perm_a + c0), hi);
+    const __m512i wb = _mm512_permutex2var_epi8(lo, kvc_t_load64(dec->vb_perm_b + c0), hi);
+    const __m512i ctrl = kvc_t_load64(dec->vb_ctrl + c0);
+    __m512i code = _mm512_multishift_epi64_epi8(ctrl, wa);
+    code = _mm512_mask_multishift_epi64_epi8(code, 0xF0F0F0F0F0F0F0F0ull, ctrl, wb);
+    code = _mm512_and_si512(code, kvc_t_load64(dec->vb_mask + c0));
+    // a level in the upper half is +magnitude[code - top], one in the lower -magnitude[top - 1 - code]
+    const __mmask64 up  = _mm512_test_epi8_mask(code, kvc_t_load64(dec->vb_top + c0));
+    const __m512i   low = kvc_t_load64(dec->vb_low + c0);
+    const __m512i   k   = _mm512_and_si512(_mm512_mask_blend_epi8(up, _mm512_xor_si512(code, low), code), low);
+    const __m512i   idx = _mm512_add_epi8(k, kvc_t_load64(dec->vb_moff + c0));
+    __m512i pl[4];
+    for (int p = 0; p < 4; ++p) {
+        pl[p] = _mm512_permutex2var_epi8(kvc_t_load64(dec->vb_plane[p]), idx, kvc_t_load64(dec->vb_plane[p] + 64));
+    }
+    if (dec->vb_has8[m]) {
+        const __mmask64 k8 = _mm512_cmpge_epu8_mask(idx, _mm512_set1_epi8((char) 128));
+        for (int p = 0; p < 4; ++p) {
+            const __m512i t = _mm512_permutex2var_epi8(kvc_t_load64(dec->vb_plane[p] + 128), idx,
+                                                       kvc_t_load64(dec->vb_plane[p] + 192));
+            pl[p] = _mm512_mask_mov_epi8(pl[p], k8, t);
+        }
+    }
+    pl[3] = _mm512_xor_si512(pl[3], _mm512_maskz_mov_epi8(~up, _mm512_set1_epi8((char) 0x80)));
+    const __m512i w_lo = _mm512_unpacklo_epi8(pl[0], pl[1]), w_hi = _mm512_unpackhi_epi8(pl[0], pl[1]);
+    const __m512i v_lo = _mm512_unpacklo_epi8(pl[2], pl[3]), v_hi = _mm512_unpackhi_epi8(pl[2], pl[3]);
+    const __m512i lv[4] = {
+        _mm512_unpacklo_epi16(w_lo, v_lo), _mm512_unpackhi_epi16(w_lo, v_lo),
+        _mm512_unpacklo_epi16(w_hi, v_hi), _mm512_unpackhi_epi16(w_hi, v_hi),
+    };
+    for (int q = 0; q < 4; ++q) {
+        const int32_t c = c0 + 16 * q;
+        const __m512 l = _mm512_mul_ps(_mm512_castsi512_ps(lv[q]), _mm512_loadu_ps(dec->sig + c));
+        f[q] = _mm512_fmadd_ps(l, vs, _mm512_loadu_ps(base + c));
+    }
+}
+
+// The coefficients of row x plus `base`, in channel order: the same products as the scalar
+// decoder, 64 at a time.
+static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, const float * base, float * v) {
+    const int32_t d = dec->plan->d;
+    const float s = kvc_e8_to_fp32(x[0]);
+    if (!(s > 0.0f)) {
+        memcpy(v, base, d * sizeof(float));
+        return;
+    }
+    for (int32_t m = 0; m < d / 64; ++m) {
+        __m512 f[4];
+        kvc_t_vbmi_chunk(dec, x, m, _mm512_set1_ps(s), base, f);
+        for (int q = 0; q < 4; ++q) {
+            _mm512_storeu_ps(v + 64 * m + 16 * q, f[q]);
+        }
+    }
+}
+#else
 // The coefficients of row x plus `base`, in channel order. The row is copied with room after
 // it for the 4-byte loads of its last codes.
 static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, const float * base, float * v) {
@@ -62,6 +188,7 @@ static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, co
         v[c] = levels[dec->lvl[c] + (int32_t) code] * dec->sig[c] * s + base[c];
     }
 }
+#endif
 
 static const float kvc_t_zeros[KVC_T_MAX_D] = { 0 };
 
@@ -88,67 +215,152 @@ void kvc_t_decoder_row(const kvc_t_decoder * dec, const uint8_t * x, float * y) 
     }
 }
 
+#if defined(__AVX512F__)
+// The angles of 16 pairs from p: the walk's base plus (tc, ts)
+static inline void kvc_t_angles16(const kvc_t_rope_walk * w, const float * tc, const float * ts, int32_t p, __m512 * c, __m512 * s) {
+    const __m512 bc = _mm512_loadu_ps(w->bc + p), bs = _mm512_loadu_ps(w->bs + p);
+    const __m512 tcp = _mm512_loadu_ps(tc + p), tsp = _mm512_loadu_ps(ts + p);
+    *c = _mm512_fmsub_ps(bc, tcp, _mm512_mul_ps(bs, tsp));
+    *s = _mm512_fmadd_ps(bs, tcp, _mm512_mul_ps(bc, tsp));
+}
+
+// 8 pairs (2p, 2p+1) side by side in a, turned by the angles of pairs h*8 .. h*8+7 of (c, s):
+// c a -+ s a', a' the pairs swapped
+static inline __m512 kvc_t_turn_pairs8(__m512 a, __m512 c, __m512 s, int h) {
+    const __m512i dup = _mm512_add_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), _mm512_set1_epi32(8 * h));
+    const __m512  sw  = _mm512_mul_ps(_mm512_permutexvar_ps(dup, s), _mm512_permute_ps(a, 0xB1));
+    return _mm512_fmaddsub_ps(_mm512_permutexvar_ps(dup, c), a, sw);
+}
+#endif
+
+// y = the coefficients v (pairs as `pairing`) turned pair by pair by the angles of the walk's
+// base plus those of its steps since (tc, ts): the sum is taken here, per row, so that no key's
+// angles wait on the last key's
+static void kvc_t_turn(int32_t pairing, int32_t n, const float * v, const kvc_t_rope_walk * w, const float * tc,
+                       const float * ts, float * y) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        for (int32_t p = 0; p < n; p += 16) {
+            __m512 cp, sp;
+            kvc_t_angles16(w, tc, ts, p, &cp, &sp);
+            if (pairing == 1) {
+                for (int h = 0; h < 2; ++h) {
+                    _mm512_storeu_ps(y + 2 * p + 16 * h, kvc_t_turn_pairs8(_mm512_loadu_ps(v + 2 * p + 16 * h), cp, sp, h));
+                }
+            } else {
+                const __m512 a = _mm512_loadu_ps(v + p), b = _mm512_loadu_ps(v + p + n);
+                _mm512_storeu_ps(y + p,     _mm512_fmsub_ps(cp, a, _mm512_mul_ps(sp, b)));
+                _mm512_storeu_ps(y + p + n, _mm512_fmadd_ps(sp, a, _mm512_mul_ps(cp, b)));
+            }
+        }
+        return;
+    }
+#endif
+    const float * bc = w->bc;
+    const float * bs = w->bs;
+    const int32_t ia = pairing == 1 ? 2 : 1, ib = pairing == 1 ? 1 : n;
+    for (int32_t p = 0; p < n; ++p) {
+        const float c = bc[p] * tc[p] - bs[p] * ts[p];
+        const float s = bs[p] * tc[p] + bc[p] * ts[p];
+        const int32_t ja = ia * p, jb = ja + ib;
+        const float a = v[ja], b = v[jb];
+        y[ja] = c * a - s * b;
+        y[jb] = s * a + c * b;
+    }
+}
+
 void kvc_t_decoder_row_at(const kvc_t_decoder * dec, const uint8_t * x, const kvc_t_rope_walk * w, float * y) {
     const int32_t n = dec->plan->d / 2;
-    const float * c = w->c;
-    const float * s = w->s;
+    const float * tc = w->steps->c[w->delta];
+    const float * ts = w->steps->s[w->delta];
     if (!w->fold) {
+        float c[KVC_T_MAX_D / 2], s[KVC_T_MAX_D / 2];
+        for (int32_t p = 0; p < n; ++p) {
+            c[p] = w->bc[p] * tc[p] - w->bs[p] * ts[p];
+            s[p] = w->bs[p] * tc[p] + w->bc[p] * ts[p];
+        }
         kvc_t_decoder_row(dec, x, y);
         kvc_t_rope_row(dec->plan, c, s, 0, y);
         return;
     }
+#if defined(KVC_T_VBMI)
+    // pairs side by side are in the same chunk: decoded and turned without a store between
+    const float rs = kvc_e8_to_fp32(x[0]);
+    if (dec->pairing == 1 && rs > 0.0f) {
+        for (int32_t m = 0; m < n / 32; ++m) {
+            __m512 f[4];
+            kvc_t_vbmi_chunk(dec, x, m, _mm512_set1_ps(rs), dec->base, f);
+            for (int i = 0; i < 2; ++i) {
+                __m512 cp, sp;
+                kvc_t_angles16(w, tc, ts, 32 * m + 16 * i, &cp, &sp);
+                _mm512_storeu_ps(y + 64 * m + 32 * i,      kvc_t_turn_pairs8(f[2 * i],     cp, sp, 0));
+                _mm512_storeu_ps(y + 64 * m + 32 * i + 16, kvc_t_turn_pairs8(f[2 * i + 1], cp, sp, 1));
+            }
+        }
+        return;
+    }
+#endif
     float v[KVC_T_MAX_D];
     kvc_t_decoder_coefs(dec, x, dec->base, v);
-    if (dec->pairing == 1) {
-        for (int32_t p = 0; p < n; ++p) {
-            const float a = v[2 * p], b = v[2 * p + 1];
-            y[2 * p]     = c[p] * a - s[p] * b;
-            y[2 * p + 1] = s[p] * a + c[p] * b;
-        }
-    } else {
-        for (int32_t p = 0; p < n; ++p) {
-            const float a = v[p], b = v[p + n];
-            y[p]     = c[p] * a - s[p] * b;
-            y[p + n] = s[p] * a + c[p] * b;
+    kvc_t_turn(dec->pairing, n, v, w, tc, ts, y);
+}
+
+void kvc_t_rope_steps_init(kvc_t_rope_steps * st, const kvc_t_rope * rope) {
+    // in double, one step after another: j steps are off by about j double roundings
+    for (int32_t p = 0; p < rope->n_pairs; ++p) {
+        const double c1 = cos((double) rope->theta[p]), s1 = sin((double) rope->theta[p]);
+        double c = 1.0, s = 0.0;
+        for (int j = 0; j <= KVC_T_ROPE_STEPS; ++j) {
+            st->c[j][p] = (float) c;
+            st->s[j][p] = (float) s;
+            const double cn = c * c1 - s * s1;
+            s = s * c1 + c * s1;
+            c = cn;
         }
     }
 }
 
-void kvc_t_rope_walk_init(kvc_t_rope_walk * w, const kvc_t_rope * rope, const kvc_t_decoder * dec) {
+void kvc_t_rope_walk_init(kvc_t_rope_walk * w, const kvc_t_rope * rope, const kvc_t_rope_steps * steps, const kvc_t_decoder * dec) {
     w->rope   = rope;
+    w->steps  = steps;
     w->dec    = dec;
     w->fold   = dec && dec->pairing != 0;
-    w->pos    = INT64_MIN;
-    w->n_step = 0;
+    w->base   = INT64_MIN;
+    w->n_move = 0;
+    w->delta  = 0;
 }
 
 void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos) {
-    if (pos == w->pos) {
-        return;
-    }
     const int32_t n = w->rope->n_pairs;
-    float * GGML_RESTRICT c = w->c;
-    float * GGML_RESTRICT s = w->s;
-    if (w->pos != INT64_MIN && pos == w->pos + 1 && w->n_step < KVC_T_ROPE_RESYNC) {
-        const float * GGML_RESTRICT sc = w->rope->step_c;
-        const float * GGML_RESTRICT ss = w->rope->step_s;
+    int64_t delta = pos - w->base;
+    if (w->base != INT64_MIN && delta >= KVC_T_ROPE_STEPS && delta < 2 * KVC_T_ROPE_STEPS && w->n_move < KVC_T_ROPE_RESYNC) {
+        const float * GGML_RESTRICT tc = w->steps->c[KVC_T_ROPE_STEPS];
+        const float * GGML_RESTRICT ts = w->steps->s[KVC_T_ROPE_STEPS];
+        float * GGML_RESTRICT bc = w->bc;
+        float * GGML_RESTRICT bs = w->bs;
         for (int32_t p = 0; p < n; ++p) {
-            const float cp = c[p], sp = s[p];
-            c[p] = cp * sc[p] - sp * ss[p];
-            s[p] = sp * sc[p] + cp * ss[p];
+            const float cp = bc[p], sp = bs[p];
+            bc[p] = cp * tc[p] - sp * ts[p];
+            bs[p] = sp * tc[p] + cp * ts[p];
         }
-        w->n_step++;
-    } else {
-        kvc_t_rope_cs(w->rope, pos, c, s);
-        w->n_step = 0;
+        w->base += KVC_T_ROPE_STEPS;
+        w->n_move++;
+        delta -= KVC_T_ROPE_STEPS;
+    } else if (w->base == INT64_MIN || delta < 0 || delta >= KVC_T_ROPE_STEPS) {
+        float * bc = w->bc;
+        float * bs = w->bs;
+        kvc_t_rope_cs(w->rope, pos, bc, bs);
         if (w->fold) {
             const kvc_t_plan * plan = w->dec->plan;
             for (int32_t p = 0; p < n; ++p) {
-                const float cp = c[p], sp = s[p], rc = plan->rot[p][0], rs = plan->rot[p][1];
-                c[p] = cp * rc - sp * rs;
-                s[p] = sp * rc + cp * rs;
+                const float cp = bc[p], sp = bs[p], rc = plan->rot[p][0], rs = plan->rot[p][1];
+                bc[p] = cp * rc - sp * rs;
+                bs[p] = sp * rc + cp * rs;
             }
         }
+        w->base   = pos;
+        w->n_move = 0;
+        delta     = 0;
     }
-    w->pos = pos;
+    w->delta = (int32_t) delta;
 }

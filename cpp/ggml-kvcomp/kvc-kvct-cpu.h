@@ -29,26 +29,55 @@ typedef struct {
     // the plan's mean turned back by its rotation (pairing 1 and 2): a row decoded before RoPE is
     // R(pos) (T' v + mean) = R(pos + rot) (v + base), one turn by the sum of both angles
     float   base[KVC_T_MAX_D];
+    // The AVX-512 VBMI decoder (filled where it is built): a chunk of 64 coefficients at a time,
+    // its codes cut out of the row by byte shuffles and bit-field shifts, their levels looked up
+    // as 4 byte planes of a table of magnitudes, the sign from the code's top bit. A code byte
+    // i of a chunk holds channel 16 (i / 4 % 4) + 4 (i / 16) + i % 4, so that interleaving
+    // the planes within 128-bit lanes gives the floats back in channel order. Per chunk: the
+    // row byte its window starts at and whether it has 8-bit codes; per code byte: the window
+    // bytes of the two 8-byte words its qword lane reads (its first 4 codes from one, its last
+    // 4 from the other), its first bit in its word, its mask, the top bit of its code, that
+    // bit minus one, and where its magnitudes start.
+    int32_t vb_w0[KVC_T_MAX_D / 64];
+    bool    vb_has8[KVC_T_MAX_D / 64];
+    uint8_t vb_perm_a[KVC_T_MAX_D], vb_perm_b[KVC_T_MAX_D], vb_ctrl[KVC_T_MAX_D], vb_mask[KVC_T_MAX_D];
+    uint8_t vb_top[KVC_T_MAX_D], vb_low[KVC_T_MAX_D], vb_moff[KVC_T_MAX_D];
+    // byte p of the magnitudes: the upper half of the levels of 1..7 bits (b's at 2^(b-1) - 1),
+    // 0 at 127 (a coefficient of 0 bits), then those of 8 bits from 128
+    uint8_t vb_plane[4][256];
 } kvc_t_decoder;
 
 void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan);
 
-// The angles of one key position after another: a key one position after the last is turned
-// from the last one's angles by one step (exact ones again every KVC_T_ROPE_RESYNC steps), any
-// other position from kvc_t_rope_cs. Keys come in cell order, mostly one position apart. For a
-// decoder of pairing 1 or 2 the angles include its plan's rotation (kvc_t_decoder_row_at).
-#define KVC_T_ROPE_RESYNC 256
+// The angles of one key position after another. Keys come in cell order, mostly one position
+// apart; each key's angles are its base's turned by a table of the first KVC_T_ROPE_STEPS
+// steps (no chain from one key to the next), the base moves KVC_T_ROPE_STEPS positions at a
+// time and is taken exact (kvc_t_rope_cs) again after KVC_T_ROPE_RESYNC moves or for any
+// other position. For a decoder of pairing 1 or 2 the angles include its plan's rotation
+// (kvc_t_decoder_row_at).
+#define KVC_T_ROPE_STEPS  16
+#define KVC_T_ROPE_RESYNC 128
+
+// (cos, sin) of j steps of a RoPE, j = 0 .. KVC_T_ROPE_STEPS, one table per node.
+typedef struct {
+    float c[KVC_T_ROPE_STEPS + 1][KVC_T_MAX_D / 2];
+    float s[KVC_T_ROPE_STEPS + 1][KVC_T_MAX_D / 2];
+} kvc_t_rope_steps;
+
+void kvc_t_rope_steps_init(kvc_t_rope_steps * st, const kvc_t_rope * rope);
 
 typedef struct {
-    const kvc_t_rope *    rope;
-    const kvc_t_decoder * dec;
-    bool    fold;   // the plan's rotation is in c and s
-    int64_t pos;    // the position of c and s (INT64_MIN: none yet)
-    int32_t n_step; // steps since they were exact
-    float   c[KVC_T_MAX_D / 2], s[KVC_T_MAX_D / 2];
+    const kvc_t_rope *       rope;
+    const kvc_t_rope_steps * steps;
+    const kvc_t_decoder *    dec;
+    bool    fold;   // the plan's rotation is in the angles
+    int64_t base;   // the position of bc and bs (INT64_MIN: none yet)
+    int32_t n_move; // moves of the base since it was exact
+    int32_t delta;  // the key's position: base + delta, 0 <= delta < KVC_T_ROPE_STEPS
+    float   bc[KVC_T_MAX_D / 2], bs[KVC_T_MAX_D / 2];
 } kvc_t_rope_walk;
 
-void kvc_t_rope_walk_init(kvc_t_rope_walk * w, const kvc_t_rope * rope, const kvc_t_decoder * dec);
+void kvc_t_rope_walk_init(kvc_t_rope_walk * w, const kvc_t_rope * rope, const kvc_t_rope_steps * steps, const kvc_t_decoder * dec);
 void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos);
 
 // The row's values: the floats dequantize_row_kvct gives (the same products in the same order).

@@ -330,9 +330,7 @@ bool kvc_t_rope_from_op(kvc_t_rope * rope, const int32_t * op_params, const floa
             const double y = (p - (double) corr[0]) / fmax(0.001, (double) (corr[1] - corr[0]));
             mix = (1.0 - fmin(1.0, fmax(0.0, y))) * (double) ext_factor;
         }
-        out.theta[p]  = (float) (w * ((double) freq_scale * (1.0 - mix) + mix));
-        out.step_c[p] = (float) cos((double) out.theta[p]);
-        out.step_s[p] = (float) sin((double) out.theta[p]);
+        out.theta[p] = (float) (w * ((double) freq_scale * (1.0 - mix) + mix));
     }
     *rope = out;
     return true;

@@ -83,7 +83,6 @@ typedef struct {
     int32_t n_pairs;
     float   mscale;
     float   theta[KVC_T_MAX_D / 2];
-    float   step_c[KVC_T_MAX_D / 2], step_s[KVC_T_MAX_D / 2]; // cos, sin of theta: one position's turn
 } kvc_t_rope;
 
 // A node's plans tensor (ggml_kvct_set_plans) holds one kvc_t_plan per KV head, then the

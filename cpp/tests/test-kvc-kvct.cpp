@@ -14,6 +14,7 @@
 #include "ggml-cpu.h"
 #include "ggml-kvcomp.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -30,23 +31,26 @@ double fa_bound(ggml_type t) {
     return t == GGML_TYPE_KVCT4 ? 8e-3 : 3e-2;
 }
 
-// pair p's energy in KV head h, and rows [n][n_head_kv][d] drawn with it
-float pair_energy(int h, int p, int d) {
-    return (1.0f + 0.5f * (float) h) * (4.0f * std::exp(-8.0f * (float) p / (float) (d / 2)) + 0.05f);
+// pair p's energy in KV head h, and rows [n][n_head_kv][d] drawn with it. Steep: energies fall
+// by e^-30 to a floor of 1e-4, so that a plan gives its first coefficients 8 bits.
+float pair_energy(int h, int p, int d, bool steep = false) {
+    const float fall = steep ? 30.0f : 8.0f, floor = steep ? 1e-4f : 0.05f;
+    return (1.0f + 0.5f * (float) h) * (4.0f * std::exp(-fall * (float) p / (float) (d / 2)) + floor);
 }
 
-std::vector<float> make_k(int n, int n_head_kv, int d, uint32_t seed) {
+std::vector<float> make_k(int n, int n_head_kv, int d, uint32_t seed, bool steep = false) {
     std::vector<float> k = make_rows(dist::gaussian, n * n_head_kv, d, seed);
     for (int r = 0; r < n * n_head_kv; ++r) {
         for (int i = 0; i < d; ++i) {
-            k[(size_t) r * d + i] *= std::sqrt(pair_energy(r % n_head_kv, i / 2, d));
+            k[(size_t) r * d + i] *= std::sqrt(pair_energy(r % n_head_kv, i / 2, d, steep));
         }
     }
     return k;
 }
 
 // one plan per KV head, from the energies the rows are drawn with
-std::vector<kvc_t_plan> make_plans(ggml_type type, int n_head_kv, int d, kvc_t_basis basis = KVC_T_BASIS_POOLED, bool neox = false) {
+std::vector<kvc_t_plan> make_plans(ggml_type type, int n_head_kv, int d, kvc_t_basis basis = KVC_T_BASIS_POOLED, bool neox = false,
+                                   bool steep = false) {
     std::vector<kvc_t_plan> plans(n_head_kv);
     std::vector<int16_t> pair(d);
     std::vector<float> mean(d, 0.0f), k2(3 * d / 2), w(3 * d / 2);
@@ -54,7 +58,7 @@ std::vector<kvc_t_plan> make_plans(ggml_type type, int n_head_kv, int d, kvc_t_b
         for (int p = 0; p < d / 2; ++p) {
             pair[2 * p] = (int16_t) (neox ? p : 2 * p);
             pair[2 * p + 1] = (int16_t) (neox ? p + d / 2 : 2 * p + 1);
-            const float e = pair_energy(h, p, d);
+            const float e = pair_energy(h, p, d, steep);
             k2[3 * p] = e;
             k2[3 * p + 1] = 0.0f;
             k2[3 * p + 2] = e;
@@ -183,15 +187,22 @@ std::vector<float> attention_ref(const std::vector<float> & q, const std::vector
 // turns them to their cells' positions: runs of consecutive positions with jumps, some far
 // out; the references then turn the rows with upstream's ROPE op.
 void test_flash_attn(report & rep, ggml_type type, int d, int n_q, int n_kv, int n_threads, int n_head = 6,
-                     const rope_case * rc = nullptr) {
+                     const rope_case * rc = nullptr, bool steep = false) {
     const int n_head_kv = 2;
     const float scale = 1.0f / std::sqrt((float) d);
     graph_ctx g(256 * 1024 * 1024);
     const auto plans = make_plans(type, n_head_kv, d, rc ? KVC_T_BASIS_PAIR_AXES : KVC_T_BASIS_POOLED,
-                                  rc && rc->mode == GGML_ROPE_TYPE_NEOX);
+                                  rc && rc->mode == GGML_ROPE_TYPE_NEOX, steep);
+    if (steep) {
+        bool any8 = false;
+        for (const kvc_t_plan & pl : plans) {
+            any8 |= std::find(pl.bits, pl.bits + d, 8) != pl.bits + d;
+        }
+        rep.check(any8, "steep energies: %s d=%3d plans give a coefficient 8 bits", ggml_type_name(type), d);
+    }
 
     // K drawn per cell as [n_kv][n_head_kv][d], stored head-major as the attention node reads it
-    const auto kc = make_k(n_kv, n_head_kv, d, 41 + d);
+    const auto kc = make_k(n_kv, n_head_kv, d, 41 + d, steep);
     std::vector<float> k((size_t) n_head_kv * n_kv * d);
     for (int j = 0; j < n_kv; ++j) {
         for (int h = 0; h < n_head_kv; ++h) {
@@ -276,10 +287,10 @@ void test_flash_attn(report & rep, ggml_type type, int d, int n_q, int n_kv, int
     const double e_deq = nmse(got.data(), ref_deq.data(), got.size());
     const double e_f32 = nmse(got.data(), ref_f32.data(), got.size());
     char shape[96];
-    snprintf(shape, sizeof(shape), "%s%s%s", n_q > 1 ? "prompt" : n_head > 16 ? "decode, 10 heads per KV head" : "decode",
-             rc ? ", before RoPE " : "", rc ? rc->name : "");
-    // Before RoPE the kernel turns a row by angles taken in double precision (stepped from one
-    // position to the next in the SIMD path); upstream's ROPE takes them in float, off by up to
+    snprintf(shape, sizeof(shape), "%s%s%s%s", n_q > 1 ? "prompt" : n_head > 16 ? "decode, 10 heads per KV head" : "decode",
+             rc ? ", before RoPE " : "", rc ? rc->name : "", steep ? ", steep" : "");
+    // Before RoPE the kernel turns a row by angles taken in double precision (in the SIMD path
+    // a base's, turned by up to 16 steps); upstream's ROPE takes them in float, off by up to
     // about 1e-3 rad at position 40000: the bound against it widens to 1e-5 then.
     const double b_deq = rc ? 1e-5 : 1e-8;
     rep.check(e_ref <= 1e-9, "FLASH_ATTN_EXT %s K=%s d=%3d SIMD vs scalar reference: nmse %.2e <= 1e-9", shape, ggml_type_name(type), d, e_ref);
@@ -373,6 +384,9 @@ int main() {
             test_flash_attn(rep, t, 64, 7, 150, 2, 6, &rc);
             test_flash_attn(rep, t, 256, 1, 700, 3, 6, &rc);
         }
+        // codes of 8 bits, and a head of two 64-value chunks turned pair by pair
+        test_flash_attn(rep, t, 128, 1, 300, 2, 6, &ROPE_CASES[0], true);
+        test_flash_attn(rep, t, 128, 7, 150, 2, 6, nullptr, true);
     }
     test_rope(rep);
     test_validate(rep);
