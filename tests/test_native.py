@@ -29,7 +29,23 @@ def test_cpp(bins: Path, name: str, tmp_path: Path) -> None:
     if name in MODELS:
         model, extra = MODELS[name]
         args += [str(models.fetch_model(model)), *extra]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    _check(subprocess.run(args, capture_output=True, text=True, timeout=1200, cwd=tmp_path))
+
+
+@pytest.mark.parametrize("isa", ["x86-64", "avx2", "avx512", "avx512vbmi"])
+def test_kvct_decoder_isa(bins: Path, isa: str) -> None:
+    """kvct's CPU row decoder built at each x86 level (test-kvc-kvct-isa.cpp), so that the
+    portable decoder is tested on a machine whose own build takes the VBMI one."""
+    exe = bins / f"test-kvc-kvct-isa-{isa}"
+    if not exe.exists():
+        pytest.skip("built on x86 with GCC or Clang only")
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    if proc.returncode == 77:
+        pytest.skip(proc.stdout.strip())
+    _check(proc)
+
+
+def _check(proc: subprocess.CompletedProcess[str]) -> None:
     m = re.search(r"(\d+) passed, (\d+) failed", proc.stdout)
     assert m, proc.stdout[-2000:] + proc.stderr[-2000:]
     failed = [line for line in proc.stdout.splitlines() if "[FAIL]" in line]
