@@ -332,8 +332,8 @@ void kvc_t_rope_walk_init(kvc_t_rope_walk * w, const kvc_t_rope * rope, const kv
 
 void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos) {
     const int32_t n = w->rope->n_pairs;
-    int64_t delta = pos - w->base;
-    if (w->base != INT64_MIN && delta >= KVC_T_ROPE_STEPS && delta < 2 * KVC_T_ROPE_STEPS && w->n_move < KVC_T_ROPE_RESYNC) {
+    int64_t delta = w->base != INT64_MIN ? pos - w->base : -1;
+    if (delta >= KVC_T_ROPE_STEPS && delta < 2 * KVC_T_ROPE_STEPS && w->n_move < KVC_T_ROPE_RESYNC) {
         const float * GGML_RESTRICT tc = w->steps->c[KVC_T_ROPE_STEPS];
         const float * GGML_RESTRICT ts = w->steps->s[KVC_T_ROPE_STEPS];
         float * GGML_RESTRICT bc = w->bc;
@@ -346,7 +346,7 @@ void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos) {
         w->base += KVC_T_ROPE_STEPS;
         w->n_move++;
         delta -= KVC_T_ROPE_STEPS;
-    } else if (w->base == INT64_MIN || delta < 0 || delta >= KVC_T_ROPE_STEPS) {
+    } else if (delta < 0 || delta >= KVC_T_ROPE_STEPS) {
         float * bc = w->bc;
         float * bs = w->bs;
         kvc_t_rope_cs(w->rope, pos, bc, bs);

@@ -12,7 +12,8 @@
 //    with the context's (KL to f16 within twice both caches' own), one coded on the other side
 //    of RoPE and a truncated one are refused and the context stays usable;
 //  - a context shift (rows coded before RoPE only change position) costs no more than the
-//    cache's own error against an f16 cache shifted alike; statistics of version 1 (after
+//    cache's own error (mean KL over 8 tokens after it against the token-by-token run's)
+//    against an f16 cache shifted alike; statistics of version 1 (after
 //    RoPE) still load, and that cache reports no shift;
 //  - a copied sequence continues like its source, a sequence in a split cache decodes as it
 //    does alone (isolation);
@@ -241,9 +242,12 @@ void test_cache(report & rep, llama_model * model, const std::vector<llama_token
     }
 
     // Context shift as llama-server does it (sinks kept, 32 positions dropped, the rest moved
-    // back), then one more token: against an f16 cache put through the same, the KL is the
-    // kvct cache's own (the unshifted run's), since rows coded before RoPE only change position.
+    // back), then 8 more tokens one by one: against an f16 cache put through the same, the mean
+    // KL is the kvct cache's own (the token-by-token run's), since rows coded before RoPE only
+    // change position. Both are means over several tokens: one token's KL on these synthetic
+    // statistics moves by 10x with any change of the kernels' rounding.
     {
+        const int n_after = 8;
         std::vector<float> shifted[2];
         for (int i = 0; i < 2; ++i) {
             ctx_ptr c{ i == 0 ? make_ctx(model, GGML_TYPE_F16) : make_kvct(model, "stats-a.gguf", 1, true, kp) };
@@ -251,19 +255,22 @@ void test_cache(report & rep, llama_model * model, const std::vector<llama_token
             llama_memory_t mem = llama_get_memory(c.ctx);
             llama_memory_seq_rm(mem, 0, 4, 36);
             llama_memory_seq_add(mem, 0, 36, -1, -32);
-            llama_batch b = llama_batch_get_one(const_cast<llama_token *>(&toks[n_prompt]), 1);
-            std::vector<llama_pos> pos = { n_prompt - 32 };
-            b.pos = pos.data();
-            if (llama_decode(c.ctx, b) == 0) {
+            for (int t = 0; t < n_after; ++t) {
+                llama_batch b = llama_batch_get_one(const_cast<llama_token *>(&toks[n_prompt + t]), 1);
+                std::vector<llama_pos> pos = { n_prompt - 32 + t };
+                b.pos = pos.data();
+                if (llama_decode(c.ctx, b) != 0) {
+                    shifted[i].clear();
+                    break;
+                }
                 const float * l = llama_get_logits_ith(c.ctx, -1);
-                shifted[i].assign(l, l + n_vocab);
+                shifted[i].insert(shifted[i].end(), l, l + n_vocab);
             }
         }
         const double kl_shift = kl_mean_rows(shifted[0], shifted[1], n_vocab);
-        const double kl_own   = kl_mean_rows(std::vector<float>(f16.end() - n_vocab, f16.end()),
-                                             std::vector<float>(by1.end() - n_vocab, by1.end()), n_vocab);
-        rep.check(kl_shift <= 2.0 * kl_own + 2e-3, "%s context shift: KL to f16 shifted alike %.2e <= 2 x %.2e + 2e-3", name,
-                  kl_shift, kl_own);
+        rep.check(shifted[1].size() == (size_t) n_after * n_vocab && kl_shift <= 2.0 * kl_by1 + 2e-3,
+                  "%s context shift: mean KL to f16 shifted alike over %d tokens %.2e <= 2 x %.2e + 2e-3", name, n_after,
+                  kl_shift, kl_by1);
     }
 
     // seq_cp, and isolation in a split cache
