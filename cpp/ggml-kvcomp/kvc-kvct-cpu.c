@@ -13,27 +13,44 @@
 #endif
 
 #if defined(KVC_T_VBMI)
+#include "ggml-threading.h"
+
+// Byte p of the magnitudes: the upper half of the levels of 1..7 bits (b's at 2^(b-1) - 1),
+// 0 at 127 (a coefficient of 0 bits), then those of 8 bits from 128. The same for every plan:
+// made once per process, under ggml's lock as ggml_cpu_init makes its tables.
+static uint8_t kvc_t_vbmi_plane[4][256];
+
+static void kvc_t_vbmi_plane_init(void) {
+    static bool done = false;
+    ggml_critical_section_start();
+    if (!done) {
+        float mag[256] = { 0 };
+        for (int b = 1; b <= KVC_T_MAX_BITS; ++b) {
+            const float * l = kvc_t_levels_of(b);
+            const int h = 1 << (b - 1);
+            for (int k = 0; k < h; ++k) {
+                mag[(b == 8 ? 128 : h - 1) + k] = l[h + k];
+            }
+        }
+        for (int i = 0; i < 256; ++i) {
+            uint32_t u;
+            memcpy(&u, &mag[i], sizeof(u));
+            for (int p = 0; p < 4; ++p) {
+                kvc_t_vbmi_plane[p][i] = (uint8_t) (u >> (8 * p));
+            }
+        }
+        done = true;
+    }
+    ggml_critical_section_end();
+}
+
 // The VBMI decoder's tables (kvc-kvct-cpu.h): code byte i of a chunk is channel
 // 16 (i / 4 % 4) + 4 (i / 16) + i % 4; the words of its qword lane start at the codes of
 // channels 16 (2 (i / 8 % 2)) + 4 (i / 16) (bytes 0-3 of the lane) and 16 more (bytes 4-7).
 // Each word holds its 4 codes: at most 7 bits before the first and 4 x 8 bits of codes.
 static void kvc_t_vbmi_init(kvc_t_decoder * dec) {
     const kvc_t_plan * plan = dec->plan;
-    float mag[256] = { 0 };
-    for (int b = 1; b <= KVC_T_MAX_BITS; ++b) {
-        const float * l = kvc_t_levels_of(b);
-        const int h = 1 << (b - 1);
-        for (int k = 0; k < h; ++k) {
-            mag[(b == 8 ? 128 : h - 1) + k] = l[h + k];
-        }
-    }
-    for (int i = 0; i < 256; ++i) {
-        uint32_t u;
-        memcpy(&u, &mag[i], sizeof(u));
-        for (int p = 0; p < 4; ++p) {
-            dec->vb_plane[p][i] = (uint8_t) (u >> (8 * p));
-        }
-    }
+    kvc_t_vbmi_plane_init();
     for (int32_t m = 0; m < plan->d / 64; ++m) {
         const int32_t c0 = 64 * m, w0 = dec->boff[c0];
         dec->vb_w0[m]   = w0;
@@ -126,13 +143,13 @@ static inline void kvc_t_vbmi_chunk(const kvc_t_decoder * dec, const uint8_t * x
     const __m512i   idx = _mm512_add_epi8(k, kvc_t_load64(dec->vb_moff + c0));
     __m512i pl[4];
     for (int p = 0; p < 4; ++p) {
-        pl[p] = _mm512_permutex2var_epi8(kvc_t_load64(dec->vb_plane[p]), idx, kvc_t_load64(dec->vb_plane[p] + 64));
+        pl[p] = _mm512_permutex2var_epi8(kvc_t_load64(kvc_t_vbmi_plane[p]), idx, kvc_t_load64(kvc_t_vbmi_plane[p] + 64));
     }
     if (dec->vb_has8[m]) {
         const __mmask64 k8 = _mm512_cmpge_epu8_mask(idx, _mm512_set1_epi8((char) 128));
         for (int p = 0; p < 4; ++p) {
-            const __m512i t = _mm512_permutex2var_epi8(kvc_t_load64(dec->vb_plane[p] + 128), idx,
-                                                       kvc_t_load64(dec->vb_plane[p] + 192));
+            const __m512i t = _mm512_permutex2var_epi8(kvc_t_load64(kvc_t_vbmi_plane[p] + 128), idx,
+                                                       kvc_t_load64(kvc_t_vbmi_plane[p] + 192));
             pl[p] = _mm512_mask_mov_epi8(pl[p], k8, t);
         }
     }
@@ -215,6 +232,16 @@ void kvc_t_decoder_row(const kvc_t_decoder * dec, const uint8_t * x, float * y) 
     }
 }
 
+// (c, s) turned in place by the angles (tc, ts): the sum of both
+static void kvc_t_add_angles(int32_t n, float * GGML_RESTRICT c, float * GGML_RESTRICT s, const float * GGML_RESTRICT tc,
+                             const float * GGML_RESTRICT ts) {
+    for (int32_t p = 0; p < n; ++p) {
+        const float cp = c[p], sp = s[p];
+        c[p] = cp * tc[p] - sp * ts[p];
+        s[p] = sp * tc[p] + cp * ts[p];
+    }
+}
+
 #if defined(__AVX512F__)
 // The angles of 16 pairs from p: the walk's base plus (tc, ts)
 static inline void kvc_t_angles16(const kvc_t_rope_walk * w, const float * tc, const float * ts, int32_t p, __m512 * c, __m512 * s) {
@@ -275,10 +302,9 @@ void kvc_t_decoder_row_at(const kvc_t_decoder * dec, const uint8_t * x, const kv
     const float * ts = w->steps->s[w->delta];
     if (!w->fold) {
         float c[KVC_T_MAX_D / 2], s[KVC_T_MAX_D / 2];
-        for (int32_t p = 0; p < n; ++p) {
-            c[p] = w->bc[p] * tc[p] - w->bs[p] * ts[p];
-            s[p] = w->bs[p] * tc[p] + w->bc[p] * ts[p];
-        }
+        memcpy(c, w->bc, n * sizeof(float));
+        memcpy(s, w->bs, n * sizeof(float));
+        kvc_t_add_angles(n, c, s, tc, ts);
         kvc_t_decoder_row(dec, x, y);
         kvc_t_rope_row(dec->plan, c, s, 0, y);
         return;
@@ -334,15 +360,7 @@ void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos) {
     const int32_t n = w->rope->n_pairs;
     int64_t delta = w->base != INT64_MIN ? pos - w->base : -1;
     if (delta >= KVC_T_ROPE_STEPS && delta < 2 * KVC_T_ROPE_STEPS && w->n_move < KVC_T_ROPE_RESYNC) {
-        const float * GGML_RESTRICT tc = w->steps->c[KVC_T_ROPE_STEPS];
-        const float * GGML_RESTRICT ts = w->steps->s[KVC_T_ROPE_STEPS];
-        float * GGML_RESTRICT bc = w->bc;
-        float * GGML_RESTRICT bs = w->bs;
-        for (int32_t p = 0; p < n; ++p) {
-            const float cp = bc[p], sp = bs[p];
-            bc[p] = cp * tc[p] - sp * ts[p];
-            bs[p] = sp * tc[p] + cp * ts[p];
-        }
+        kvc_t_add_angles(n, w->bc, w->bs, w->steps->c[KVC_T_ROPE_STEPS], w->steps->s[KVC_T_ROPE_STEPS]);
         w->base += KVC_T_ROPE_STEPS;
         w->n_move++;
         delta -= KVC_T_ROPE_STEPS;

@@ -38,14 +38,11 @@ typedef struct {
     // row byte its window starts at and whether it has 8-bit codes; per code byte: the window
     // bytes of the two 8-byte words its qword lane reads (its first 4 codes from one, its last
     // 4 from the other), its first bit in its word, its mask, the top bit of its code, that
-    // bit minus one, and where its magnitudes start.
+    // bit minus one, and where its magnitudes start (in one table for every plan).
     int32_t vb_w0[KVC_T_MAX_D / 64];
     bool    vb_has8[KVC_T_MAX_D / 64];
     uint8_t vb_perm_a[KVC_T_MAX_D], vb_perm_b[KVC_T_MAX_D], vb_ctrl[KVC_T_MAX_D], vb_mask[KVC_T_MAX_D];
     uint8_t vb_top[KVC_T_MAX_D], vb_low[KVC_T_MAX_D], vb_moff[KVC_T_MAX_D];
-    // byte p of the magnitudes: the upper half of the levels of 1..7 bits (b's at 2^(b-1) - 1),
-    // 0 at 127 (a coefficient of 0 bits), then those of 8 bits from 128
-    uint8_t vb_plane[4][256];
 } kvc_t_decoder;
 
 void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan);
