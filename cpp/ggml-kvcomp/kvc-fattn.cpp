@@ -235,6 +235,18 @@ struct fa_src {
         }
     }
 
+    // d[g * KVC_DEC_TILE + i] = qf[g] . (kvct row j[i] of KV head hk in stream s), as row_f32 turns it
+    void dots(const int * j, int n, int64_t hk, int64_t s, const float * const * qf, int64_t gn, float * d,
+              kvc_t_rope_walk * walk) const {
+        const uint8_t * rows[KVC_DEC_TILE];
+        int64_t         p[KVC_DEC_TILE];
+        for (int i = 0; i < n; ++i) {
+            rows[i] = (const uint8_t *) row(j[i], hk, s);
+            p[i]    = rope ? pos[(s0 + s / r3) * pos_ne0 + j[i]] : 0;
+        }
+        kvc_t_decoder_dots(&plans[hk], rope ? walk : nullptr, rows, p, n, qf, (int32_t) gn, d, KVC_DEC_TILE);
+    }
+
     // the walk of this source's keys of KV head hk (unused without a RoPE)
     void walk_init(kvc_t_rope_walk & w, int64_t hk) const {
         if (rope) {
@@ -377,6 +389,7 @@ struct dec_state {
 };
 
 static_assert(KVC_DEC_GROUP <= GGML_KVC_DOT_MULTI_MAX, "a packed K row is scored for all heads of a group at once");
+static_assert(KVC_DEC_GROUP <= KVC_T_DOTS_MAX_Q, "a kvct K row is scored for all heads of a group at once");
 
 // acc[DV] += sum over the n rows i of w[i] * vt[i]: the accumulator stays in registers over
 // the tile's rows (ggml_vec_mad_f32 would load and store it once per row). Each element is
@@ -435,6 +448,7 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
     const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, ref, is == KVC_FA_SRC_UBATCH);
     const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref, is == KVC_FA_SRC_UBATCH);
     const ggml_kvc_vec_dot_multi_t k_dot = K.plans ? nullptr : ggml_kvc_cpu_get_vec_dot_multi(K.type, ref);
+    const bool k_tile = K.plans && !ref; // kvct rows: decoded and scored a tile at a time
     const int64_t DK = a.DK, DV = a.DV;
     const bool shared_mask = !a.mask || (a.mask->ne[2] == 1 && a.max_bias <= 0.0f);
 
@@ -446,6 +460,8 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
 
     for (int64_t t0 = j0; t0 < j1; t0 += KVC_DEC_TILE) {
         const int n = (int) std::min<int64_t>(KVC_DEC_TILE, j1 - t0);
+        int kl[KVC_DEC_TILE]; // kvct keys some head sees, scored together below
+        int n_kl = 0;
 
         for (int j = 0; j < n; ++j) {
             const int64_t col = off + t0 + j;
@@ -456,6 +472,10 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
                 any |= mv != -INFINITY;
             }
             if (!any) {
+                continue;
+            }
+            if (k_tile) {
+                kl[n_kl++] = (int) (t0 + j);
                 continue;
             }
             if (k_dot) {
@@ -478,6 +498,19 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
             for (int64_t g = 0; g < gn; ++g) {
                 if (sc[g][j] != -INFINITY) {
                     sc[g][j] = a.score(d[g], sc[g][j]);
+                }
+            }
+        }
+
+        if (n_kl > 0) {
+            float d[KVC_DEC_GROUP][KVC_DEC_TILE];
+            K.dots(kl, n_kl, hk, s, qf, gn, d[0], &walk);
+            for (int i = 0; i < n_kl; ++i) {
+                const int j = (int) (kl[i] - t0);
+                for (int64_t g = 0; g < gn; ++g) {
+                    if (sc[g][j] != -INFINITY) {
+                        sc[g][j] = a.score(d[g][i], sc[g][j]);
+                    }
                 }
             }
         }

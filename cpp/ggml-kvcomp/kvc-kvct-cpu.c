@@ -12,6 +12,12 @@
 #endif
 #endif
 
+#if defined(__GNUC__)
+#define KVC_T_INLINE static inline __attribute__((always_inline))
+#else
+#define KVC_T_INLINE static inline
+#endif
+
 #if defined(KVC_T_VBMI)
 #include "ggml-threading.h"
 
@@ -296,7 +302,8 @@ static void kvc_t_turn(int32_t pairing, int32_t n, const float * v, const kvc_t_
     }
 }
 
-void kvc_t_decoder_row_at(const kvc_t_decoder * dec, const uint8_t * x, const kvc_t_rope_walk * w, float * y) {
+// kvc_t_decoder_row_at, inlined where kvc_t_decoder_dots scores rows
+KVC_T_INLINE void kvc_t_row_at(const kvc_t_decoder * dec, const uint8_t * x, const kvc_t_rope_walk * w, float * y) {
     const int32_t n = dec->plan->d / 2;
     const float * tc = w->steps->c[w->delta];
     const float * ts = w->steps->s[w->delta];
@@ -329,6 +336,10 @@ void kvc_t_decoder_row_at(const kvc_t_decoder * dec, const uint8_t * x, const kv
     float v[KVC_T_MAX_D];
     kvc_t_decoder_coefs(dec, x, dec->base, v);
     kvc_t_turn(dec->pairing, n, v, w, tc, ts, y);
+}
+
+void kvc_t_decoder_row_at(const kvc_t_decoder * dec, const uint8_t * x, const kvc_t_rope_walk * w, float * y) {
+    kvc_t_row_at(dec, x, w, y);
 }
 
 void kvc_t_rope_steps_init(kvc_t_rope_steps * st, const kvc_t_rope * rope) {
@@ -381,4 +392,130 @@ void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos) {
         delta     = 0;
     }
     w->delta = (int32_t) delta;
+}
+
+// The walk at key position pos: a key one of the next steps after the walk's base takes that
+// step without a call.
+KVC_T_INLINE void kvc_t_walk_step(kvc_t_rope_walk * w, int64_t pos) {
+    if (w->base != INT64_MIN && pos >= w->base && pos - w->base < KVC_T_ROPE_STEPS) {
+        w->delta = (int32_t) (pos - w->base);
+    } else {
+        kvc_t_rope_walk_to(w, pos);
+    }
+}
+
+#if defined(__AVX512F__)
+// The lane sums of a[0..15], lane i of the result a[i]'s: pairs of vectors are interleaved and
+// added (16 -> 8 -> 4), then their 128-bit lanes (4 -> 2 -> 1): 45 instructions for 16 sums
+// where one sum alone takes 8 in a chain.
+static inline __m512 kvc_t_hsum16(const __m512 * a) {
+    __m512 b[8], c[4], e[2];
+    for (int i = 0; i < 8; ++i) {
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    }
+    for (int i = 0; i < 4; ++i) {
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i) {
+        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    }
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
+}
+
+// acc[g][i] = the 16 lanes whose sum is q[g] . (row x, turned to pos with a walk)
+KVC_T_INLINE void kvc_t_row_dots16(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * x, int64_t pos,
+                                   const float * const * q, int32_t gn, __m512 (*acc)[16], int32_t i) {
+    const int32_t dd = dec->plan->d;
+    if (w) {
+        kvc_t_walk_step(w, pos);
+    }
+#if defined(KVC_T_VBMI)
+    // pairs side by side: each chunk decoded, turned and met by the queries in registers
+    const float rs = kvc_e8_to_fp32(x[0]);
+    if (w && w->fold && dec->pairing == 1 && rs > 0.0f) {
+        const float * tc = w->steps->c[w->delta];
+        const float * ts = w->steps->s[w->delta];
+        for (int32_t m = 0; m < dd / 64; ++m) {
+            __m512 f[4], k[4];
+            kvc_t_vbmi_chunk(dec, x, m, _mm512_set1_ps(rs), dec->base, f);
+            for (int h = 0; h < 2; ++h) {
+                __m512 cp, sp;
+                kvc_t_angles16(w, tc, ts, 32 * m + 16 * h, &cp, &sp);
+                k[2 * h]     = kvc_t_turn_pairs8(f[2 * h], cp, sp, 0);
+                k[2 * h + 1] = kvc_t_turn_pairs8(f[2 * h + 1], cp, sp, 1);
+            }
+            for (int32_t g = 0; g < gn; ++g) {
+                const float * qg = q[g] + 64 * m;
+                __m512 a = m > 0 ? acc[g][i] : _mm512_setzero_ps();
+                for (int c = 0; c < 4; ++c) {
+                    a = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(qg + 16 * c), a);
+                }
+                acc[g][i] = a;
+            }
+        }
+        return;
+    }
+#endif
+    float y[KVC_T_MAX_D];
+    if (w) {
+        kvc_t_row_at(dec, x, w, y);
+    } else {
+        kvc_t_decoder_row(dec, x, y);
+    }
+    for (int32_t g = 0; g < gn; ++g) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(y), _mm512_loadu_ps(q[g]));
+        for (int32_t c = 16; c < dd; c += 16) {
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(y + c), _mm512_loadu_ps(q[g] + c), a);
+        }
+        acc[g][i] = a;
+    }
+}
+#endif
+
+void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows, const int64_t * pos,
+                        int32_t n, const float * const * q, int32_t gn, float * d, int32_t ld) {
+    const int32_t dd = dec->plan->d;
+#if defined(__AVX512F__)
+    if (dd % 16 == 0) {
+        __m512 acc[KVC_T_DOTS_MAX_Q][16];
+        for (int32_t i0 = 0; i0 < n; i0 += 16) {
+            const int32_t m = n - i0 < 16 ? n - i0 : 16;
+            for (int32_t i = 0; i < m; ++i) {
+                kvc_t_row_dots16(dec, w, rows[i0 + i], pos ? pos[i0 + i] : 0, q, gn, acc, i);
+            }
+            for (int32_t i = m; i < 16; ++i) {
+                for (int32_t g = 0; g < gn; ++g) {
+                    acc[g][i] = _mm512_setzero_ps();
+                }
+            }
+            for (int32_t g = 0; g < gn; ++g) {
+                _mm512_mask_storeu_ps(d + g * ld + i0, (__mmask16) ((1u << m) - 1), kvc_t_hsum16(acc[g]));
+            }
+        }
+        return;
+    }
+#endif
+    float y[KVC_T_MAX_D];
+    for (int32_t i = 0; i < n; ++i) {
+        if (w) {
+            kvc_t_walk_step(w, pos[i]);
+            kvc_t_row_at(dec, rows[i], w, y);
+        } else {
+            kvc_t_decoder_row(dec, rows[i], y);
+        }
+        for (int32_t g = 0; g < gn; ++g) {
+            // 8 partial sums, so that the loop vectorizes without reordering a float sum
+            float s[8] = { 0 };
+            for (int32_t c = 0; c + 8 <= dd; c += 8) {
+                for (int32_t l = 0; l < 8; ++l) {
+                    s[l] += y[c + l] * q[g][c + l];
+                }
+            }
+            for (int32_t c = dd / 8 * 8; c < dd; ++c) {
+                s[0] += y[c] * q[g][c];
+            }
+            d[g * ld + i] = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+        }
+    }
 }

@@ -85,6 +85,17 @@ void kvc_t_decoder_row(const kvc_t_decoder * dec, const uint8_t * x, float * y);
 // of the row's values by kvc_t_rope_cs's angles, up to the walk's rounding).
 void kvc_t_decoder_row_at(const kvc_t_decoder * dec, const uint8_t * x, const kvc_t_rope_walk * w, float * y);
 
+// The most queries kvc_t_decoder_dots scores a row against.
+#define KVC_T_DOTS_MAX_Q 16
+
+// Scores of n rows of one KV head against gn <= KVC_T_DOTS_MAX_Q queries of the plan's head
+// size: d[g * ld + i] = q[g] . (row i). Row i lies at rows[i]; with a walk (a cache coded before
+// RoPE) it is turned to position pos[i], the walk moving from row to row as it would over
+// kvc_t_decoder_row_at. One call decodes each row once for all the queries and adds up 16 rows'
+// products at a time, so a decode step pays neither a call nor a horizontal sum per key.
+void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows, const int64_t * pos,
+                        int32_t n, const float * const * q, int32_t gn, float * d, int32_t ld);
+
 #ifdef __cplusplus
 }
 #endif

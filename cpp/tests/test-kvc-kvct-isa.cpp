@@ -8,11 +8,14 @@
 // 64/128/256, energies that give some coefficients 8 bits and energies that do not; each is
 // read at positions with runs and jumps (kvc_t_rope_walk) and compared with
 // dequantize_row_kvct turned by kvc_t_rope_cs's exact angles: NMSE <= 1e-10 (the walk's
-// float angles; measured about 1e-12), and rows after RoPE (no turn) bit for bit.
+// float angles; measured about 1e-12), and rows after RoPE (no turn) bit for bit. The rows'
+// scores against queries (kvc_t_decoder_dots, which decode steps use) are held to double dot
+// products of the reference rows.
 
 #include "kvc-test-util.h"
 #include "kvc-kvct-cpu.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -63,7 +66,10 @@ void test_decoder(report & rep, int d, bool neox, bool steep) {
     kvc_t_rope_walk_init(&walk, &rope, &steps, &dec);
 
     const auto x = make_rows(dist::gaussian, n, d, 17 + d);
-    std::vector<uint8_t> row(kvc_t_row_size(plan.row_bits));
+    const size_t rb = kvc_t_row_size(plan.row_bits);
+    std::vector<uint8_t> row(rb), rows(n * rb), rows_pooled(n * rb);
+    std::vector<int64_t> at(n);
+    std::vector<float> turned((size_t) n * d), plain((size_t) n * d);
     std::vector<float> xs(d), y(d), z(d), c(d / 2), s(d / 2);
     double e2 = 0.0, n2 = 0.0;
     bool same = true;
@@ -78,6 +84,9 @@ void test_decoder(report & rep, int d, bool neox, bool steep) {
         dequantize_row_kvct(&plan, row.data(), z.data());
         kvc_t_rope_cs(&rope, pos, c.data(), s.data());
         kvc_t_rope_row(&plan, c.data(), s.data(), 0, z.data());
+        memcpy(&rows[r * rb], row.data(), rb);
+        memcpy(&turned[(size_t) r * d], z.data(), d * sizeof(float));
+        at[r] = pos;
         for (int i = 0; i < d; ++i) {
             e2 += (double) (y[i] - z[i]) * (y[i] - z[i]);
             n2 += (double) z[i] * z[i];
@@ -86,11 +95,53 @@ void test_decoder(report & rep, int d, bool neox, bool steep) {
         kvc_t_decoder_row(&dec_pooled, row.data(), y.data());
         dequantize_row_kvct(&pooled, row.data(), z.data());
         same &= memcmp(y.data(), z.data(), d * sizeof(float)) == 0;
+        memcpy(&rows_pooled[r * rb], row.data(), rb);
+        memcpy(&plain[(size_t) r * d], z.data(), d * sizeof(float));
     }
     const char * name = neox ? "neox" : "normal";
     rep.check(e2 / n2 <= 1e-10, "%s: d=%3d %s%s rows before RoPE, turned, vs reference: nmse %.2e <= 1e-10", KVC_ISA, d, name,
               steep ? " steep" : "", e2 / n2);
     rep.check(same, "%s: d=%3d %s%s rows after RoPE equal dequantize_row_kvct bit for bit", KVC_ISA, d, name, steep ? " steep" : "");
+
+    // scores a tile at a time, against double dot products with the reference rows: batches of
+    // 37, 16 and 5 rows (full and partial groups of 16) for 1, 3 and 16 queries
+    const auto qs = make_rows(dist::gaussian, KVC_T_DOTS_MAX_Q, d, 5 + d);
+    const float * q[KVC_T_DOTS_MAX_Q];
+    for (int g = 0; g < KVC_T_DOTS_MAX_Q; ++g) {
+        q[g] = &qs[(size_t) g * d];
+    }
+    kvc_t_rope_walk_init(&walk, &rope, &steps, &dec);
+    double worst[2] = { 0.0, 0.0 };
+    const int lens[3] = { 37, 16, 5 }, gns[3] = { 1, 3, KVC_T_DOTS_MAX_Q };
+    std::vector<float> dots(KVC_T_DOTS_MAX_Q * 37);
+    const uint8_t * ptr[37];
+    for (int r0 = 0, b = 0; r0 < n; r0 += lens[b % 3], ++b) {
+        const int len = std::min(lens[b % 3], n - r0), gn = gns[b % 3];
+        for (int before = 0; before < 2; ++before) {
+            const std::vector<uint8_t> & src = before ? rows : rows_pooled;
+            const std::vector<float> & ref = before ? turned : plain;
+            for (int i = 0; i < len; ++i) {
+                ptr[i] = &src[(r0 + i) * rb];
+            }
+            kvc_t_decoder_dots(before ? &dec : &dec_pooled, before ? &walk : nullptr, ptr, &at[r0], len, q, gn, dots.data(), 37);
+            for (int g = 0; g < gn; ++g) {
+                for (int i = 0; i < len; ++i) {
+                    double e = 0.0, qq = 0.0, zz = 0.0;
+                    for (int k = 0; k < d; ++k) {
+                        const double zk = ref[(size_t) (r0 + i) * d + k];
+                        e += zk * q[g][k];
+                        qq += (double) q[g][k] * q[g][k];
+                        zz += zk * zk;
+                    }
+                    worst[before] = std::max(worst[before], std::fabs(dots[g * 37 + i] - e) / std::sqrt(qq * zz + 1e-30));
+                }
+            }
+        }
+    }
+    rep.check(worst[1] <= 1e-5, "%s: d=%3d %s%s scores of turned rows vs double: max error %.2e <= 1e-5 of |q||k|", KVC_ISA, d,
+              name, steep ? " steep" : "", worst[1]);
+    rep.check(worst[0] <= 1e-6, "%s: d=%3d %s%s scores of rows after RoPE vs double: max error %.2e <= 1e-6 of |q||k|", KVC_ISA, d,
+              name, steep ? " steep" : "", worst[0]);
 }
 
 } // namespace
