@@ -423,6 +423,42 @@ static inline __m512 kvc_t_hsum16(const __m512 * a) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
 }
 
+#if defined(KVC_T_VBMI)
+// acc[g][i + r] for rows x[r] (r = 0, 1) of scales rs[r] > 0 at steps delta[r] from the walk's
+// base, pairs side by side: decoded, turned and met by the queries in registers, both rows in
+// one pass with no store between, so that the decoder's tables, the base's angles and the
+// queries are loaded once for the two
+KVC_T_INLINE void kvc_t_rows2_dots16(const kvc_t_decoder * dec, const kvc_t_rope_walk * w, const uint8_t * const * x,
+                                     const float * rs, const int32_t * delta, const float * const * q, int32_t gn,
+                                     __m512 (*acc)[16], int32_t i) {
+    for (int32_t m = 0; m < dec->plan->d / 64; ++m) {
+        __m512 k[2][4];
+        for (int r = 0; r < 2; ++r) {
+            __m512 f[4];
+            kvc_t_vbmi_chunk(dec, x[r], m, _mm512_set1_ps(rs[r]), dec->base, f);
+            for (int h = 0; h < 2; ++h) {
+                __m512 cp, sp;
+                kvc_t_angles16(w, w->steps->c[delta[r]], w->steps->s[delta[r]], 32 * m + 16 * h, &cp, &sp);
+                k[r][2 * h]     = kvc_t_turn_pairs8(f[2 * h], cp, sp, 0);
+                k[r][2 * h + 1] = kvc_t_turn_pairs8(f[2 * h + 1], cp, sp, 1);
+            }
+        }
+        for (int32_t g = 0; g < gn; ++g) {
+            const float * qg = q[g] + 64 * m;
+            __m512 a0 = m > 0 ? acc[g][i] : _mm512_setzero_ps();
+            __m512 a1 = m > 0 ? acc[g][i + 1] : _mm512_setzero_ps();
+            for (int c = 0; c < 4; ++c) {
+                const __m512 qv = _mm512_loadu_ps(qg + 16 * c);
+                a0 = _mm512_fmadd_ps(k[0][c], qv, a0);
+                a1 = _mm512_fmadd_ps(k[1][c], qv, a1);
+            }
+            acc[g][i]     = a0;
+            acc[g][i + 1] = a1;
+        }
+    }
+}
+#endif
+
 // acc[g][i] = the 16 lanes whose sum is q[g] . (row x, turned to pos with a walk)
 KVC_T_INLINE void kvc_t_row_dots16(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * x, int64_t pos,
                                    const float * const * q, int32_t gn, __m512 (*acc)[16], int32_t i) {
@@ -481,10 +517,26 @@ void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const ui
         __m512 acc[KVC_T_DOTS_MAX_Q][16];
         for (int32_t i0 = 0; i0 < n; i0 += 16) {
             const int32_t m = n - i0 < 16 ? n - i0 : 16;
-            for (int32_t i = 0; i < m; ++i) {
+            int32_t i = 0;
+#if defined(KVC_T_VBMI)
+            // two rows at a time where both are decoded in registers at steps of the same base
+            for (; w && w->fold && dec->pairing == 1 && i + 1 < m; i += 2) {
+                const uint8_t * x[2] = { rows[i0 + i], rows[i0 + i + 1] };
+                const float     rs[2] = { kvc_e8_to_fp32(x[0][0]), kvc_e8_to_fp32(x[1][0]) };
+                kvc_t_walk_step(w, pos[i0 + i]);
+                const int64_t   step = pos[i0 + i + 1] - w->base;
+                if (!(rs[0] > 0.0f && rs[1] > 0.0f && step >= 0 && step < KVC_T_ROPE_STEPS)) {
+                    break;
+                }
+                const int32_t delta[2] = { w->delta, (int32_t) step };
+                kvc_t_rows2_dots16(dec, w, x, rs, delta, q, gn, acc, i);
+                w->delta = delta[1];
+            }
+#endif
+            for (; i < m; ++i) {
                 kvc_t_row_dots16(dec, w, rows[i0 + i], pos ? pos[i0 + i] : 0, q, gn, acc, i);
             }
-            for (int32_t i = m; i < 16; ++i) {
+            for (; i < 16; ++i) {
                 for (int32_t g = 0; g < gn; ++g) {
                     acc[g][i] = _mm512_setzero_ps();
                 }
