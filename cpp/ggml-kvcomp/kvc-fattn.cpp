@@ -16,9 +16,10 @@
 //    its rows (tokens x query heads, at most 64) meet 64-key tiles dequantized to F32 and
 //    multiplied as upstream's tiled F16 kernel does, so a kvc cache costs about what F16 does.
 // A kvct K cache (ggml_kvct_set_plans) is read through its KV head's plan (kvc-kvct-cpu.h):
-// each row decoded to F32 once for all the heads of its group, in both kernels. (Scoring
-// from the codes with AVX2 gathers, the query permuted and scaled by the plan once, measured
-// no faster on this machine's AMD EPYC.)
+// a decode step scores a tile of its rows against the group's heads in one call
+// (kvc_t_decoder_dots, the rows decoded in registers), a prompt decodes each row to F32 once
+// for all the heads of its group. (Scoring from the codes with AVX2 gathers, the query
+// permuted and scaled by the plan once, measured no faster on this machine's AMD EPYC.)
 
 #include "kvc-cpu.h"
 #include "kvc-kvct-cpu.h"
