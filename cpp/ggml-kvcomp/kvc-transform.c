@@ -15,10 +15,13 @@
 static_assert(KVC_LM_MAX_BITS == KVC_T_MAX_BITS, "the Lloyd-Max table covers every bit count of a coefficient");
 
 static const float kvc_lm_levels[] = KVC_LM_LEVELS;
+static const float kvc_lm_mids[] = KVC_LM_MIDS;
 static const float kvc_lm_dist[KVC_T_MAX_BITS + 1] = KVC_LM_DIST;
 
 static_assert(sizeof(kvc_lm_levels) / sizeof(kvc_lm_levels[0]) == (2u << KVC_T_MAX_BITS) - 2,
               "2^b levels for each b = 1..8");
+static_assert(sizeof(kvc_lm_mids) / sizeof(kvc_lm_mids[0]) == (2u << KVC_T_MAX_BITS) - KVC_T_MAX_BITS - 2,
+              "2^b - 1 thresholds for each b = 1..8");
 
 float kvc_t_lloyd_max_dist(int bits) {
     return bits >= 0 && bits <= KVC_T_MAX_BITS ? kvc_lm_dist[bits] : 1.0f;
@@ -27,6 +30,12 @@ float kvc_t_lloyd_max_dist(int bits) {
 // the 2^b levels of b bits
 static inline const float * kvc_t_levels(int b) {
     return kvc_lm_levels + ((1 << b) - 2);
+}
+
+// the 2^b - 1 thresholds between them: 0.5f * (l[k] + l[k + 1]), made when the table was
+// generated so that the search for a code reads each with one load
+static inline const float * kvc_t_mids(int b) {
+    return kvc_lm_mids + ((1 << b) - b - 1);
 }
 
 const float * kvc_t_levels_of(int bits) {
@@ -172,11 +181,10 @@ void kvc_t_inverse(const kvc_t_plan * plan, const float * GGML_RESTRICT y, float
 // levels below u, found in b halvings without a branch on u (the row scale's search calls this
 // 21 times per coefficient, and a branch on u is mispredicted half the time).
 static int kvc_t_nearest(int b, float u) {
-    const float * lv = kvc_t_levels(b);
+    const float * t = kvc_t_mids(b);
     int lo = 0;
     for (int step = 1 << (b - 1); step > 0; step >>= 1) {
-        const int mid = lo + step - 1;
-        lo += u > 0.5f * (lv[mid] + lv[mid + 1]) ? step : 0;
+        lo += u > t[lo + step - 1] ? step : 0;
     }
     return lo;
 }

@@ -9,10 +9,12 @@
 //   bases; and it is below half of kvc4's error at the same 4.5 bits per value on the same
 //   rows after a Hadamard rotation (the equal-bits coder);
 // - the bit budget is spent exactly; a zero row and non-finite values follow the documented
-//   rules; bad statistics and damaged plans are refused.
+//   rules; bad statistics and damaged plans are refused;
+// - every code is the level nearest to its coefficient at the row's scale.
 
 #include "kvc-test-util.h"
 #include "kvc-transform.h"
+#include "kvc-common.h"
 
 #include <algorithm>
 #include <cstring>
@@ -360,6 +362,56 @@ void test_rows_and_bad_input(report & rep) {
     rep.check(!kvc_t_plan_valid(&broken), "a plan with 9 bits on a coefficient is invalid");
 }
 
+// Every coded coefficient is the level nearest to it at the row's scale: its code is the number
+// of midpoints between neighbouring levels (taken here in float from kvc_t_levels_of) below it,
+// counted one by one, on rows of plans whose budgets give coefficients 1 to 8 bits.
+void test_codes_nearest(report & rep) {
+    const int d = 64;
+    const ellipse_rows r = make_ellipses(d, false, 300, false, 33);
+    const std::vector<float> w = identity_weights(d);
+    const kvc_t_stats st = stats_of(r, w);
+    bool seen[KVC_T_MAX_BITS + 1] = {};
+    int64_t n_codes = 0, n_wrong = 0;
+    for (int bits : { 2, 4, 7 }) {
+        kvc_t_plan plan;
+        GGML_ASSERT(kvc_t_plan_fit(&plan, &st, KVC_T_BASIS_PAIR_AXES, bits * d + 8));
+        std::vector<uint8_t> q(kvc_t_row_size(plan.row_bits));
+        std::vector<float> u(d);
+        for (int i = 0; i < r.n; ++i) {
+            const float * x = &r.x[(size_t) i * d];
+            quantize_row_kvct_ref(&plan, x, q.data());
+            if (q[0] == 0) {
+                continue;
+            }
+            kvc_t_forward(&plan, x, u.data());
+            const float inv = 1.0f / kvc_e8_to_fp32(q[0]);
+            int pos = 8;
+            for (int j = 0; j < d; ++j) {
+                const int b = plan.bits[j];
+                seen[b] = true;
+                if (b == 0) {
+                    continue;
+                }
+                int code = 0;
+                for (int k = 0; k < b; ++k, ++pos) {
+                    code |= ((q[pos / 8] >> (pos % 8)) & 1) << k;
+                }
+                const float v = (u[j] / plan.sigma[j]) * inv;
+                const float * lv = kvc_t_levels_of(b);
+                int below = 0;
+                for (int k = 0; k + 1 < (1 << b); ++k) {
+                    below += v > 0.5f * (lv[k] + lv[k + 1]);
+                }
+                n_codes++;
+                n_wrong += code != below;
+            }
+        }
+    }
+    rep.check(std::all_of(seen + 1, seen + KVC_T_MAX_BITS + 1, [](bool b) { return b; }), "the plans give coefficients 1 to 8 bits");
+    rep.check(n_codes > 0 && n_wrong == 0, "every code is its coefficient's nearest level: %lld of %lld differ", (long long) n_wrong,
+              (long long) n_codes);
+}
+
 } // namespace
 
 int main() {
@@ -370,5 +422,6 @@ int main() {
         test_water_filling(rep, d, d == 128, KVC_T_BASIS_POOLED);
     }
     test_rows_and_bad_input(rep);
+    test_codes_nearest(rep);
     return rep.finish("test-kvc-transform");
 }
