@@ -200,8 +200,9 @@ static uint8_t kvc_t_scale_code(float s) {
 }
 
 // The squared error in K's units of coding the coefficients u (in units of their sigma) at
-// the scale of code e.
-static double kvc_t_row_error(const kvc_t_plan * plan, const float * u, uint8_t e) {
+// the scale of code e; once its running sum reaches `limit` (it only grows) the rest is not
+// added, as such a scale cannot win the search.
+static double kvc_t_row_error(const kvc_t_plan * plan, const float * u, uint8_t e, double limit) {
     const float s = kvc_e8_to_fp32(e);
     const float inv = 1.0f / s;
     double err = 0.0;
@@ -209,6 +210,9 @@ static double kvc_t_row_error(const kvc_t_plan * plan, const float * u, uint8_t 
         const int   b = plan->bits[j];
         const float r = b > 0 ? u[j] - s * kvc_t_levels(b)[kvc_t_nearest(b, u[j] * inv)] : u[j];
         err += (double) plan->sigma[j] * (double) plan->sigma[j] * (double) r * (double) r;
+        if (j % 8 == 7 && err >= limit) {
+            break;
+        }
     }
     return err;
 }
@@ -241,10 +245,10 @@ void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT 
         return;
     }
     uint8_t e = e0;
-    double  best = kvc_t_row_error(plan, u, e0);
+    double  best = kvc_t_row_error(plan, u, e0, INFINITY);
     for (int c = (int) e0 - KVC_T_SEARCH_DOWN; c <= (int) e0 + KVC_T_SEARCH_UP; ++c) {
         if (c >= 1 && c <= KVC_E8_MAX && c != e0) {
-            const double err = kvc_t_row_error(plan, u, (uint8_t) c);
+            const double err = kvc_t_row_error(plan, u, (uint8_t) c, best);
             if (err < best) {
                 best = err;
                 e = (uint8_t) c;
