@@ -424,16 +424,16 @@ static inline __m512 kvc_t_hsum16(const __m512 * a) {
 }
 
 #if defined(KVC_T_VBMI)
-// acc[g][i + r] for rows x[r] (r = 0, 1) of scales rs[r] > 0 at steps delta[r] from the walk's
-// base, pairs side by side: decoded, turned and met by the queries in registers, both rows in
+// acc[g][i + r] for the nr <= 2 rows x[r] of scales rs[r] > 0 at steps delta[r] from the walk's
+// base, pairs side by side: decoded, turned and met by the queries in registers, two rows in
 // one pass with no store between, so that the decoder's tables, the base's angles and the
-// queries are loaded once for the two
-KVC_T_INLINE void kvc_t_rows2_dots16(const kvc_t_decoder * dec, const kvc_t_rope_walk * w, const uint8_t * const * x,
-                                     const float * rs, const int32_t * delta, const float * const * q, int32_t gn,
-                                     __m512 (*acc)[16], int32_t i) {
+// queries are loaded once for both
+KVC_T_INLINE void kvc_t_rows_dots16(const kvc_t_decoder * dec, const kvc_t_rope_walk * w, int32_t nr, const uint8_t * const * x,
+                                    const float * rs, const int32_t * delta, const float * const * q, int32_t gn,
+                                    __m512 (*acc)[16], int32_t i) {
     for (int32_t m = 0; m < dec->plan->d / 64; ++m) {
         __m512 k[2][4];
-        for (int r = 0; r < 2; ++r) {
+        for (int32_t r = 0; r < nr; ++r) {
             __m512 f[4];
             kvc_t_vbmi_chunk(dec, x[r], m, _mm512_set1_ps(rs[r]), dec->base, f);
             for (int h = 0; h < 2; ++h) {
@@ -445,15 +445,19 @@ KVC_T_INLINE void kvc_t_rows2_dots16(const kvc_t_decoder * dec, const kvc_t_rope
         }
         for (int32_t g = 0; g < gn; ++g) {
             const float * qg = q[g] + 64 * m;
-            __m512 a0 = m > 0 ? acc[g][i] : _mm512_setzero_ps();
-            __m512 a1 = m > 0 ? acc[g][i + 1] : _mm512_setzero_ps();
+            __m512 a[2];
+            for (int32_t r = 0; r < nr; ++r) {
+                a[r] = m > 0 ? acc[g][i + r] : _mm512_setzero_ps();
+            }
             for (int c = 0; c < 4; ++c) {
                 const __m512 qv = _mm512_loadu_ps(qg + 16 * c);
-                a0 = _mm512_fmadd_ps(k[0][c], qv, a0);
-                a1 = _mm512_fmadd_ps(k[1][c], qv, a1);
+                for (int32_t r = 0; r < nr; ++r) {
+                    a[r] = _mm512_fmadd_ps(k[r][c], qv, a[r]);
+                }
             }
-            acc[g][i]     = a0;
-            acc[g][i + 1] = a1;
+            for (int32_t r = 0; r < nr; ++r) {
+                acc[g][i + r] = a[r];
+            }
         }
     }
 }
@@ -467,29 +471,9 @@ KVC_T_INLINE void kvc_t_row_dots16(const kvc_t_decoder * dec, kvc_t_rope_walk * 
         kvc_t_walk_step(w, pos);
     }
 #if defined(KVC_T_VBMI)
-    // pairs side by side: each chunk decoded, turned and met by the queries in registers
     const float rs = kvc_e8_to_fp32(x[0]);
     if (w && w->fold && dec->pairing == 1 && rs > 0.0f) {
-        const float * tc = w->steps->c[w->delta];
-        const float * ts = w->steps->s[w->delta];
-        for (int32_t m = 0; m < dd / 64; ++m) {
-            __m512 f[4], k[4];
-            kvc_t_vbmi_chunk(dec, x, m, _mm512_set1_ps(rs), dec->base, f);
-            for (int h = 0; h < 2; ++h) {
-                __m512 cp, sp;
-                kvc_t_angles16(w, tc, ts, 32 * m + 16 * h, &cp, &sp);
-                k[2 * h]     = kvc_t_turn_pairs8(f[2 * h], cp, sp, 0);
-                k[2 * h + 1] = kvc_t_turn_pairs8(f[2 * h + 1], cp, sp, 1);
-            }
-            for (int32_t g = 0; g < gn; ++g) {
-                const float * qg = q[g] + 64 * m;
-                __m512 a = m > 0 ? acc[g][i] : _mm512_setzero_ps();
-                for (int c = 0; c < 4; ++c) {
-                    a = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(qg + 16 * c), a);
-                }
-                acc[g][i] = a;
-            }
-        }
+        kvc_t_rows_dots16(dec, w, 1, &x, &rs, &w->delta, q, gn, acc, i);
         return;
     }
 #endif
@@ -529,7 +513,7 @@ void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const ui
                     break;
                 }
                 const int32_t delta[2] = { w->delta, (int32_t) step };
-                kvc_t_rows2_dots16(dec, w, x, rs, delta, q, gn, acc, i);
+                kvc_t_rows_dots16(dec, w, 2, x, rs, delta, q, gn, acc, i);
                 w->delta = delta[1];
             }
 #endif
