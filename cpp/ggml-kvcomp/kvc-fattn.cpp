@@ -207,6 +207,11 @@ struct fa_src {
         return data + j * nb1 + hk * nb2 + (s / r3) * nb3;
     }
 
+    // the position of cell j in stream s (rows coded before RoPE)
+    int64_t key_pos(int64_t j, int64_t s) const {
+        return pos[(s0 + s / r3) * pos_ne0 + j];
+    }
+
     // row j of KV head hk in stream s, as F32 (to_f32: the row converter of a type without
     // plans); a row coded before RoPE is turned to its key's position, through `walk` (which
     // rope set up) or, for the reference, from the exact angles
@@ -224,7 +229,7 @@ struct fa_src {
             }
             return;
         }
-        const int64_t p = pos[(s0 + s / r3) * pos_ne0 + j];
+        const int64_t p = key_pos(j, s);
         if (ref) {
             float c[KVC_T_MAX_D / 2], sn[KVC_T_MAX_D / 2];
             dequantize_row_kvct(plans[hk].plan, x, y);
@@ -243,7 +248,7 @@ struct fa_src {
         int64_t         p[KVC_DEC_TILE];
         for (int i = 0; i < n; ++i) {
             rows[i] = (const uint8_t *) row(j[i], hk, s);
-            p[i]    = rope ? pos[(s0 + s / r3) * pos_ne0 + j[i]] : 0;
+            p[i]    = rope ? key_pos(j[i], s) : 0;
         }
         kvc_t_decoder_dots(&plans[hk], rope ? walk : nullptr, rows, p, n, qf, (int32_t) gn, d, KVC_DEC_TILE);
     }
@@ -454,6 +459,14 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
     const bool shared_mask = !a.mask || (a.mask->ne[2] == 1 && a.max_bias <= 0.0f);
 
     float sc[KVC_DEC_GROUP][KVC_DEC_TILE];
+    // key j of the tile gets its dot products d[g * stride] as scores, where a head sees it
+    const auto put_scores = [&](int j, const float * d, int64_t stride) {
+        for (int64_t g = 0; g < gn; ++g) {
+            if (sc[g][j] != -INFINITY) {
+                sc[g][j] = a.score(d[g * stride], sc[g][j]);
+            }
+        }
+    };
     float kt[KVC_DEC_MAX_D];
     kvc_t_rope_walk walk;
     K.walk_init(walk, hk);
@@ -485,34 +498,21 @@ void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, i
                 // F32 queries; test-kvc-llama bounds what the two differ).
                 float d[KVC_DEC_GROUP];
                 k_dot((int) DK, d, K.row(t0 + j, hk, s), st.q8, sizeof(st.q8[0]), (int) gn);
-                for (int64_t g = 0; g < gn; ++g) {
-                    if (sc[g][j] != -INFINITY) {
-                        sc[g][j] = a.score(d[g], sc[g][j]);
-                    }
-                }
+                put_scores(j, d, 1);
                 continue;
             }
             // decoded once for all heads
             K.row_f32(k_to_f32, t0 + j, hk, s, kt, DK, &walk);
             float d[KVC_DEC_GROUP];
             dot_multi_f32(kt, qf, gn, DK, d, ref);
-            for (int64_t g = 0; g < gn; ++g) {
-                if (sc[g][j] != -INFINITY) {
-                    sc[g][j] = a.score(d[g], sc[g][j]);
-                }
-            }
+            put_scores(j, d, 1);
         }
 
         if (n_kl > 0) {
             float d[KVC_DEC_GROUP][KVC_DEC_TILE];
             K.dots(kl, n_kl, hk, s, qf, gn, d[0], &walk);
             for (int i = 0; i < n_kl; ++i) {
-                const int j = (int) (kl[i] - t0);
-                for (int64_t g = 0; g < gn; ++g) {
-                    if (sc[g][j] != -INFINITY) {
-                        sc[g][j] = a.score(d[g][i], sc[g][j]);
-                    }
-                }
+                put_scores((int) (kl[i] - t0), &d[0][i], KVC_DEC_TILE);
             }
         }
 

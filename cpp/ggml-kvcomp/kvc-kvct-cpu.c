@@ -404,6 +404,15 @@ KVC_T_INLINE void kvc_t_walk_step(kvc_t_rope_walk * w, int64_t pos) {
     }
 }
 
+// Row x's values in y: turned to the walk's key position with a walk, as they are without.
+KVC_T_INLINE void kvc_t_row_to(const kvc_t_decoder * dec, const kvc_t_rope_walk * w, const uint8_t * x, float * y) {
+    if (w) {
+        kvc_t_row_at(dec, x, w, y);
+    } else {
+        kvc_t_decoder_row(dec, x, y);
+    }
+}
+
 #if defined(__AVX512F__)
 // The lane sums of a[0..15], lane i of the result a[i]'s: pairs of vectors are interleaved and
 // added (16 -> 8 -> 4), then their 128-bit lanes (4 -> 2 -> 1): 45 instructions for 16 sums
@@ -478,11 +487,7 @@ KVC_T_INLINE void kvc_t_row_dots16(const kvc_t_decoder * dec, kvc_t_rope_walk * 
     }
 #endif
     float y[KVC_T_MAX_D];
-    if (w) {
-        kvc_t_row_at(dec, x, w, y);
-    } else {
-        kvc_t_decoder_row(dec, x, y);
-    }
+    kvc_t_row_to(dec, w, x, y);
     for (int32_t g = 0; g < gn; ++g) {
         __m512 a = _mm512_mul_ps(_mm512_loadu_ps(y), _mm512_loadu_ps(q[g]));
         for (int32_t c = 16; c < dd; c += 16) {
@@ -536,10 +541,8 @@ void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const ui
     for (int32_t i = 0; i < n; ++i) {
         if (w) {
             kvc_t_walk_step(w, pos[i]);
-            kvc_t_row_at(dec, rows[i], w, y);
-        } else {
-            kvc_t_decoder_row(dec, rows[i], y);
         }
+        kvc_t_row_to(dec, w, rows[i], y);
         for (int32_t g = 0; g < gn; ++g) {
             // 8 partial sums, so that the loop vectorizes without reordering a float sum
             float s[8] = { 0 };
