@@ -46,11 +46,14 @@ struct ggml_compute_params;
 // FLASH_ATTN_EXT on the CPU when it reads a kvc cache or a second, exact source
 // (ggml_flash_attn_ext_add_exact), kvc-fattn.cpp: a decode kernel that splits the keys of all
 // sources over the threads and reads each packed row once for all query heads of its KV head,
-// and a tiled prompt kernel that dequantizes 64-key tiles into per-thread scratch (never the
-// whole cache) and multiplies them as upstream's tiled F16 path does. params->use_ref selects
-// the scalar reference of both. Returns false, having done nothing, for a node that reads
-// neither (upstream's kernels run it).
+// and a tiled prompt kernel that dequantizes 64-key tiles (the main cells' K once for all
+// blocks of query tokens) and multiplies them as upstream's tiled F16 path does.
+// params->use_ref selects the scalar reference of both. Returns false, having done nothing,
+// for a node that reads neither (upstream's kernels run it).
 GGML_BACKEND_API bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+// Bytes such a node needs in the plan's buffer beyond upstream's FLASH_ATTN_EXT scratch: a
+// prompt's K tiles, converted once for all of its blocks of query tokens (0 for any other node).
+GGML_BACKEND_API size_t ggml_kvc_cpu_flash_attn_ext_work_size(const struct ggml_tensor * dst);
 
 // SET_ROWS into a kvc cache, kvc-set-rows.c: the blocks of all rows are split over the
 // threads (one new row per stream is a decode step's write). Returns false, having done

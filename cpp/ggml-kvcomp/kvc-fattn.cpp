@@ -1,8 +1,9 @@
 // CPU flash attention over kvc caches and over several sources: the main cells (any cache
 // type) and the residual buffer's exact F16 rows (ggml_flash_attn_ext_add_exact: its slots,
-// then the ubatch's own rows), under one online softmax and one mask. Nothing is copied
-// outside per-thread scratch: a decode step reads the rows where they lie, a prompt
-// dequantizes 64-key tiles.
+// then the ubatch's own rows), under one online softmax and one mask. A decode step reads the
+// rows where they lie; a prompt dequantizes 64-key tiles, those of the main cells once per node
+// when several blocks of query tokens read them (into the plan's buffer, at most
+// KVC_FA_SHARED_MAX bytes), the others into per-thread scratch.
 //
 // Two kernels, each with a scalar reference (params->use_ref) that the SIMD path is held to
 // (cpp/tests/test-kvc-ops.cpp):
@@ -14,11 +15,12 @@
 //    and the ranges combined in order;
 //  - prompt (several query tokens): a work item is (stream, KV head, block of query tokens);
 //    its rows (tokens x query heads, at most 64) meet 64-key tiles dequantized to F32 and
-//    multiplied as upstream's tiled F16 kernel does, so a kvc cache costs about what F16 does.
+//    multiplied as upstream's tiled F16 kernel does, so a kvc cache costs about what F16 does;
+//    the main cells' tiles are made once for all blocks (shared_floats).
 // A kvct K cache (ggml_kvct_set_plans) is read through its KV head's plan (kvc-kvct-cpu.h):
 // a decode step scores a tile of its rows against the group's heads in one call
 // (kvc_t_decoder_dots, the rows decoded in registers), a prompt decodes each row to F32 once
-// for all the heads of its group. (Scoring from the codes with AVX2 gathers, the query
+// for all the heads and query blocks of its KV head. (Scoring from the codes with AVX2 gathers, the query
 // permuted and scaled by the plan once, measured no faster on this machine's AMD EPYC.)
 
 #include "kvc-cpu.h"
@@ -51,6 +53,7 @@ constexpr int64_t KVC_MAX_ROW    = 1024;            // prompt K row bound (a sta
 constexpr int64_t KVC_DEC_MIN_KEYS = 32;            // decode keys a range is worth splitting for
 constexpr int     KVC_FA_N_SRC   = 3;               // key sources of a node, one after the other
 constexpr int     KVC_FA_SRC_UBATCH = 2;            // the source of the ubatch's own exact rows
+constexpr size_t  KVC_FA_SHARED_MAX = (size_t) 256 << 20; // bytes of a prompt's shared tiles (shared_floats)
 
 bool is_kvc(ggml_type t) {
     return t >= GGML_KVCOMP_TYPE_FIRST && t <= GGML_KVCOMP_TYPE_LAST;
@@ -369,8 +372,9 @@ struct fa_units {
     int64_t gh;   // query heads per group (the last may have fewer)
     int64_t n;
 
-    fa_units(const fa_node & a, int64_t max_group) :
-        n_hg((a.G + max_group - 1) / max_group), gh((a.G + n_hg - 1) / n_hg), n(a.n_stream * a.n_head_kv * n_hg) {}
+    fa_units(int64_t G, int64_t n_stream, int64_t n_head_kv, int64_t max_group) :
+        n_hg((G + max_group - 1) / max_group), gh((G + n_hg - 1) / n_hg), n(n_stream * n_head_kv * n_hg) {}
+    fa_units(const fa_node & a, int64_t max_group) : fa_units(a.G, a.n_stream, a.n_head_kv, max_group) {}
 
     struct unit {
         int64_t s, hk, h0, gn; // stream, KV head, first query head, query heads
@@ -659,9 +663,72 @@ size_t prompt_scratch_floats(int64_t DK, int64_t DV) {
            KVC_FA_TILE_KV * DK + KVC_FA_PAD;
 }
 
+// Keys [j0, j0 + nk) of KV head hk in stream s as one tile of F32 columns, K32[DK][TK] (the
+// layout gemm_f32 multiplies), the columns past nk zero.
+void k_tile_f32(const fa_src & K, row_to_f32_t to_f32, int64_t j0, int nk, int64_t hk, int64_t s, int64_t DK,
+                kvc_t_rope_walk * walk, float * K32) {
+    const int64_t TK = KVC_FA_TILE_KV;
+    float kt[KVC_MAX_ROW];
+    for (int c = 0; c < nk; ++c) {
+        K.row_f32(to_f32, j0 + c, hk, s, kt, DK, walk);
+        for (int64_t d = 0; d < DK; ++d) {
+            K32[d * TK + c] = kt[d];
+        }
+    }
+    for (int c = nk; c < TK; ++c) {
+        for (int64_t d = 0; d < DK; ++d) {
+            K32[d * TK + c] = 0.0f;
+        }
+    }
+}
+
+// The main cells' K and V tiles, converted once per node for all blocks of query tokens, in
+// the plan's buffer: K [stream][KV head][tile][DK][TK], then V [stream][KV head][tile][TK][DV].
+// A block converting every tile it sees again is what made prompts over a kvct cache slower
+// than over kvc4 (a 512-token ubatch of 4 query heads per KV head is 32 blocks).
+struct shared_tiles {
+    int64_t n_tiles = 0;   // per stream and KV head
+    float * k = nullptr;   // nullptr: each block converts the tiles it sees
+    float * v = nullptr;
+
+    const float * k_tile(int64_t sk, int64_t hk, int64_t j0, int64_t n_head_kv, int64_t DK) const {
+        return k + ((sk * n_head_kv + hk) * n_tiles + j0 / KVC_FA_TILE_KV) * KVC_FA_TILE_KV * DK;
+    }
+    const float * v_tile(int64_t sv, int64_t hk, int64_t j0, int64_t n_head_kv, int64_t DV) const {
+        return v + ((sv * n_head_kv + hk) * n_tiles + j0 / KVC_FA_TILE_KV) * KVC_FA_TILE_KV * DV;
+    }
+};
+
+// Floats of the shared tiles: 0 when a node has one block of query tokens per KV head (nothing
+// to share) and past KVC_FA_SHARED_MAX bytes (a long context keeps the per-block conversion).
+size_t shared_floats(int64_t DK, int64_t DV, int64_t n_kv, int64_t n_head_kv, int64_t n_stream_k, int64_t n_stream_v,
+                     int64_t n_q, int64_t G) {
+    const int64_t gh = fa_units(G, 1, n_head_kv, KVC_FA_TILE_Q).gh;
+    const int64_t qb = std::max<int64_t>(1, KVC_FA_TILE_Q / gh);
+    if (n_q <= qb) {
+        return 0;
+    }
+    const int64_t cells = (n_kv + KVC_FA_TILE_KV - 1) / KVC_FA_TILE_KV * KVC_FA_TILE_KV * n_head_kv;
+    const size_t  n = (size_t) (cells * (DK * n_stream_k + DV * n_stream_v));
+    return n * sizeof(float) > KVC_FA_SHARED_MAX ? 0 : n;
+}
+
+// Keys [j0, j0 + nk) of KV head hk in stream s as one tile of F32 rows, V32[TK][DV], the rows
+// past nk zero.
+void v_tile_f32(const fa_src & V, row_to_f32_t to_f32, int64_t j0, int nk, int64_t hk, int64_t s, int64_t DV, float * V32) {
+    for (int c = 0; c < nk; ++c) {
+        to_f32(V.row(j0 + c, hk, s), V32 + c * DV, DV);
+    }
+    if (nk < KVC_FA_TILE_KV) {
+        memset(V32 + nk * DV, 0, (size_t) (KVC_FA_TILE_KV - nk) * DV * sizeof(float));
+    }
+}
+
 // Query tokens [t0, t1) x query heads h0 .. h0 + gn - 1 of KV head hk in stream s, as the rows
-// r = (t - t0) * gn + g of one tile; scratch: this thread's part of the plan's buffer.
-void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, int64_t t0, int64_t t1, float * scratch) {
+// r = (t - t0) * gn + g of one tile; scratch: this thread's part of the plan's buffer; sh:
+// the main cells' tiles when the node shares them.
+void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, int64_t t0, int64_t t1, float * scratch,
+                 const shared_tiles & sh) {
     const bool    ref = a.ref;
     const int64_t DK = a.DK, DV = a.DV;
     const int64_t TQ = KVC_FA_TILE_Q, TK = KVC_FA_TILE_KV;
@@ -687,7 +754,6 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
     }
     memset(VKQ, 0, (size_t) R * DV * sizeof(float));
 
-    float kt[KVC_MAX_ROW];
     int64_t off = 0;
     for (int is = 0; is < KVC_FA_N_SRC; off += a.k[is].n, ++is) {
         const fa_src & K = a.k[is];
@@ -718,19 +784,15 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
                 continue;
             }
 
-            for (int c = 0; c < nk; ++c) {
-                K.row_f32(k_to_f32, j0 + c, hk, s, kt, DK, &walk);
-                for (int64_t d = 0; d < DK; ++d) {
-                    K32[d * TK + c] = kt[d];
-                }
-            }
-            for (int c = nk; c < TK; ++c) {
-                for (int64_t d = 0; d < DK; ++d) {
-                    K32[d * TK + c] = 0.0f;
-                }
+            const bool    shared = is == 0 && sh.k;
+            const float * Kt = K32;
+            if (shared) {
+                Kt = sh.k_tile(s / K.r3, hk, j0, a.n_head_kv, DK);
+            } else {
+                k_tile_f32(K, k_to_f32, j0, nk, hk, s, DK, &walk, K32);
             }
             memset(KQ, 0, (size_t) R * TK * sizeof(float));
-            gemm_f32(KQ, Qt, K32, R, (int) DK, (int) TK, ref);
+            gemm_f32(KQ, Qt, Kt, R, (int) DK, (int) TK, ref);
 
             for (int r = 0; r < R; ++r) {
                 float * kq = KQ + r * TK;
@@ -741,13 +803,13 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
                 fold_tile(kq, (int) TK, M[r], S[r], VKQ + r * DV, DV, ref);
             }
 
-            for (int c = 0; c < nk; ++c) {
-                v_to_f32(V.row(j0 + c, hk, s), V32 + c * DV, DV);
+            const float * Vt = V32;
+            if (shared) {
+                Vt = sh.v_tile(s / V.r3, hk, j0, a.n_head_kv, DV);
+            } else {
+                v_tile_f32(V, v_to_f32, j0, nk, hk, s, DV, V32);
             }
-            if (nk < TK) {
-                memset(V32 + nk * DV, 0, (size_t) (TK - nk) * DV * sizeof(float));
-            }
-            gemm_f32(VKQ, KQ, V32, R, (int) TK, (int) DV, ref);
+            gemm_f32(VKQ, KQ, Vt, R, (int) TK, (int) DV, ref);
         }
     }
 
@@ -775,6 +837,37 @@ void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
     const int64_t  n_qb    = (a.n_q + qb - 1) / qb;
     const int64_t  n_items = units.n * n_qb;
 
+    // The shared tiles, split over the threads; a K tile walks its RoPE angles from an exact
+    // start, so its floats do not depend on which thread made it.
+    const fa_src & K0 = a.k[0];
+    const fa_src & V0 = a.v[0];
+    const int64_t  n_sk = a.n_stream / K0.r3, n_sv = a.n_stream / V0.r3;
+    const size_t   n_shared = a.ref || K0.n == 0 ? 0 : shared_floats(a.DK, a.DV, K0.n, a.n_head_kv, n_sk, n_sv, a.n_q, a.G);
+    shared_tiles sh;
+    if (n_shared > 0 && params->wsize >= (per_thread * nth + n_shared) * sizeof(float)) {
+        const int64_t TK = KVC_FA_TILE_KV;
+        sh.n_tiles = (K0.n + TK - 1) / TK;
+        sh.k = (float *) params->wdata + per_thread * nth;
+        sh.v = sh.k + n_sk * a.n_head_kv * sh.n_tiles * TK * a.DK;
+        const row_to_f32_t k_to_f32 = K0.plans ? nullptr : get_row_to_f32(K0.type, false);
+        const row_to_f32_t v_to_f32 = get_row_to_f32(V0.type, false);
+        const int64_t n_k = n_sk * a.n_head_kv * sh.n_tiles;
+        for (int64_t i = ith; i < n_k + n_sv * a.n_head_kv * sh.n_tiles; i += nth) {
+            const int64_t u  = i < n_k ? i : i - n_k;
+            const int64_t hk = u / sh.n_tiles % a.n_head_kv;
+            const int64_t j0 = u % sh.n_tiles * TK;
+            const int     nk = (int) std::min(TK, K0.n - j0);
+            const int64_t st = u / (sh.n_tiles * a.n_head_kv);
+            if (i < n_k) {
+                kvc_t_rope_walk walk;
+                K0.walk_init(walk, hk);
+                k_tile_f32(K0, k_to_f32, j0, nk, hk, st * K0.r3, a.DK, &walk, sh.k + u * TK * a.DK);
+            } else {
+                v_tile_f32(V0, v_to_f32, j0, nk, hk, st * V0.r3, a.DV, sh.v + u * TK * a.DV);
+            }
+        }
+    }
+
     if (ith == 0) {
         ggml_threadpool_chunk_set(params->threadpool, nth);
     }
@@ -784,7 +877,7 @@ void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
     for (int64_t i = ith; i < n_items; i = ggml_threadpool_chunk_add(params->threadpool, 1)) {
         const fa_units::unit u = units.at(a, i % units.n);
         const int64_t b = n_qb - 1 - i / units.n;
-        prompt_item(a, u.s, u.hk, u.h0, u.gn, b * qb, std::min(a.n_q, (b + 1) * qb), scratch);
+        prompt_item(a, u.s, u.hk, u.h0, u.gn, b * qb, std::min(a.n_q, (b + 1) * qb), scratch, sh);
     }
 }
 
@@ -792,7 +885,31 @@ bool readable(ggml_type t) {
     return t == GGML_TYPE_F32 || ggml_get_type_traits(t)->to_float != nullptr;
 }
 
+// the shapes and types these kernels take
+bool fits(const ggml_tensor * q, const ggml_tensor * k, const ggml_tensor * v) {
+    return q->type == GGML_TYPE_F32 && (ggml_kvcomp_is_kvct(k->type) || readable(k->type)) && readable(v->type) &&
+           k->ne[0] <= KVC_MAX_ROW && k->ne[0] % QK_KVC == 0 && q->ne[2] % k->ne[2] == 0 && k->ne[2] == v->ne[2] &&
+           q->ne[3] % k->ne[3] == 0 && q->ne[3] % v->ne[3] == 0;
+}
+
+// a node these kernels run: it reads a kvc or kvct cache or a second, exact source
+bool ours(const ggml_tensor * dst) {
+    const ggml_tensor * k = dst->src[1];
+    return dst->src[GGML_KVCOMP_FA_SRC_K_EXACT] || is_kvc(k->type) || is_kvc(dst->src[2]->type) ||
+           ggml_kvcomp_is_kvct(k->type);
+}
+
 } // namespace
+
+size_t ggml_kvc_cpu_flash_attn_ext_work_size(const struct ggml_tensor * dst) {
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * k = dst->src[1];
+    const ggml_tensor * v = dst->src[2];
+    if (!ours(dst) || !fits(q, k, v)) {
+        return 0;
+    }
+    return shared_floats(k->ne[0], v->ne[0], k->ne[1], k->ne[2], k->ne[3], v->ne[3], q->ne[1], q->ne[2] / k->ne[2]) * sizeof(float);
+}
 
 bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const ggml_tensor * q  = dst->src[0];
@@ -804,7 +921,7 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
     const ggml_tensor * vn = dst->src[GGML_KVCOMP_FA_SRC_V_UBATCH];
 
     const bool kvct = ggml_kvcomp_is_kvct(k->type);
-    if (!ke && !is_kvc(k->type) && !is_kvc(v->type) && !kvct) {
+    if (!ours(dst)) {
         return false;
     }
     const ggml_tensor * kp = dst->src[GGML_KVCOMP_FA_SRC_K_PLANS];
@@ -814,10 +931,7 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
         GGML_ASSERT(kvc_t_plans_n_head(ggml_nbytes(kp)) == k->ne[2] && plan[0].d == k->ne[0] &&
                     plan[0].row_bits == kvc_t_type_row_bits(k->type, k->ne[0]) && "kvcomp: kvct plans of another shape");
     }
-    const bool fits = q->type == GGML_TYPE_F32 && (kvct || readable(k->type)) && readable(v->type) &&
-                      k->ne[0] <= KVC_MAX_ROW && k->ne[0] % QK_KVC == 0 && q->ne[2] % k->ne[2] == 0 &&
-                      k->ne[2] == v->ne[2] && q->ne[3] % k->ne[3] == 0 && q->ne[3] % v->ne[3] == 0;
-    if (!fits) {
+    if (!fits(q, k, v)) {
         GGML_ASSERT(!ke && "kvcomp: two-source attention needs F32 queries, readable K/V and head sizes that are multiples of 32 up to 1024");
         return false;
     }

@@ -286,9 +286,10 @@ void test_flash_attn(report & rep, ggml_type type, int d, int n_q, int n_kv, int
     const auto ref_f32 = attention_ref(q, k, v, mask, d, n_q, n_kv, n_head, n_head_kv, scale);
     const double e_deq = nmse(got.data(), ref_deq.data(), got.size());
     const double e_f32 = nmse(got.data(), ref_f32.data(), got.size());
-    char shape[96];
-    snprintf(shape, sizeof(shape), "%s%s%s%s", n_q > 1 ? "prompt" : n_head > 16 ? "decode, 10 heads per KV head" : "decode",
-             rc ? ", before RoPE " : "", rc ? rc->name : "", steep ? ", steep" : "");
+    char kind[48];
+    snprintf(kind, sizeof(kind), n_q > 1 ? "prompt of %d tokens" : n_head > 16 ? "decode, 10 heads per KV head" : "decode", n_q);
+    char shape[128];
+    snprintf(shape, sizeof(shape), "%s%s%s%s", kind, rc ? ", before RoPE " : "", rc ? rc->name : "", steep ? ", steep" : "");
     // Before RoPE the kernel turns a row by angles taken in double precision (in the SIMD path
     // a base's, turned by up to 16 steps); upstream's ROPE takes them in float, off by up to
     // about 1e-3 rad at position 40000: the bound against it widens to 1e-5 then.
@@ -378,10 +379,13 @@ int main() {
             test_set_rows(rep, t, d);
             test_flash_attn(rep, t, d, 7, 150, 2);
             test_flash_attn(rep, t, d, 1, 700, 3);
+            // three blocks of query tokens: K's tiles converted once for all of them
+            test_flash_attn(rep, t, d, 50, 150, 3);
         }
         test_flash_attn(rep, t, 128, 1, 300, 2, 20);
         for (const rope_case & rc : ROPE_CASES) {
             test_flash_attn(rep, t, 64, 7, 150, 2, 6, &rc);
+            test_flash_attn(rep, t, 64, 50, 150, 3, 6, &rc);
             test_flash_attn(rep, t, 256, 1, 700, 3, 6, &rc);
         }
         // codes of 8 bits, and a head of two 64-value chunks turned pair by pair

@@ -241,6 +241,8 @@ struct fa_shape {
 // inside tiles and a thread whose whole range is masked; the last adds softcap, sinks and a
 // mask per head
 const fa_shape FA_PREFILL = { 5,    96, 4, 2, 2,  0.0f, false, false, "prefill" };
+// 40 tokens x 2 heads: two blocks of query tokens share K's converted tiles, split over 3 threads
+const fa_shape FA_PREFILL_BLOCKS = { 40, 150, 4, 2, 3, 0.0f, false, false, "prefill, 2 blocks" };
 const fa_shape FA_DECODE  = { 1,  1000, 6, 2, 3,  0.0f, false, false, "decode" };
 const fa_shape FA_SOFTCAP = { 1,   700, 4, 1, 2, 30.0f, true,  true,  "decode+softcap+sinks" };
 
@@ -590,6 +592,7 @@ int main() {
             test_cpy(rep, t, d);
             test_mul_mat(rep, t, d);
             test_flash_attn(rep, t, t, d);
+            test_flash_attn(rep, t, t, d, FA_PREFILL_BLOCKS);
             test_flash_attn(rep, t, t, d, FA_DECODE);
         }
     }
