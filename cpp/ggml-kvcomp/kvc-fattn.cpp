@@ -1,9 +1,9 @@
 // CPU flash attention over kvc caches and over several sources: the main cells (any cache
 // type) and the residual buffer's exact F16 rows (ggml_flash_attn_ext_add_exact: its slots,
 // then the ubatch's own rows), under one online softmax and one mask. A decode step reads the
-// rows where they lie; a prompt dequantizes 64-key tiles, those of the main cells once per node
-// when several blocks of query tokens read them (into the plan's buffer, at most
-// KVC_FA_SHARED_MAX bytes), the others into per-thread scratch.
+// rows where they lie; a prompt dequantizes 64-key tiles, once per node when several blocks of
+// query tokens read them (into the plan's buffer, at most KVC_FA_SHARED_MAX bytes), else into
+// per-thread scratch.
 //
 // Two kernels, each with a scalar reference (params->use_ref) that the SIMD path is held to
 // (cpp/tests/test-kvc-ops.cpp):
@@ -16,7 +16,7 @@
 //  - prompt (several query tokens): a work item is (stream, KV head, block of query tokens);
 //    its rows (tokens x query heads, at most 64) meet 64-key tiles dequantized to F32 and
 //    multiplied as upstream's tiled F16 kernel does, so a kvc cache costs about what F16 does;
-//    the main cells' tiles are made once for all blocks (shared_floats).
+//    the tiles are made once for all blocks (shared_tiles).
 // A kvct K cache (ggml_kvct_set_plans) is read through its KV head's plan (kvc-kvct-cpu.h):
 // a decode step scores a tile of its rows against the group's heads in one call
 // (kvc_t_decoder_dots, the rows decoded in registers), a prompt decodes each row to F32 once
@@ -682,34 +682,54 @@ void k_tile_f32(const fa_src & K, row_to_f32_t to_f32, int64_t j0, int nk, int64
     }
 }
 
-// The main cells' K and V tiles, converted once per node for all blocks of query tokens, in
-// the plan's buffer: K [stream][KV head][tile][DK][TK], then V [stream][KV head][tile][TK][DV].
-// A block converting every tile it sees again is what made prompts over a kvct cache slower
-// than over kvc4 (a 512-token ubatch of 4 query heads per KV head is 32 blocks).
+// Every source's K and V tiles, converted once per node for all blocks of query tokens, in
+// the plan's buffer: per source, K [stream][KV head][tile][DK][TK], then V [stream][KV
+// head][tile][TK][DV]. A block converting every tile it sees again is what made prompts over a
+// kvct cache slower than over kvc4, and a prompt at depth 0 (the ubatch's exact rows read as
+// F16) slower than over F16: a 512-token ubatch of 3 or 4 query heads per KV head is 25-32 blocks.
 struct shared_tiles {
-    int64_t n_tiles = 0;   // per stream and KV head
-    float * k = nullptr;   // nullptr: each block converts the tiles it sees
-    float * v = nullptr;
+    int64_t n_tiles[KVC_FA_N_SRC] = {}; // per stream and KV head
+    float * k[KVC_FA_N_SRC] = {};       // nullptr: each block converts the tiles it sees
+    float * v[KVC_FA_N_SRC] = {};
+    int64_t n_sk[KVC_FA_N_SRC] = {}, n_sv[KVC_FA_N_SRC] = {}; // streams of each source's K and V
+    int64_t n_head_kv = 0, DK = 0, DV = 0;
 
-    const float * k_tile(int64_t sk, int64_t hk, int64_t j0, int64_t n_head_kv, int64_t DK) const {
-        return k + ((sk * n_head_kv + hk) * n_tiles + j0 / KVC_FA_TILE_KV) * KVC_FA_TILE_KV * DK;
+    // Lays the sources' tiles out from p (none: only counts); returns the floats they take.
+    size_t layout(const fa_src * ks, const fa_src * vs, int64_t n_stream, int64_t n_head_kv_, int64_t DK_, int64_t DV_,
+                  float * p) {
+        n_head_kv = n_head_kv_;
+        DK = DK_;
+        DV = DV_;
+        size_t off = 0;
+        for (int is = 0; is < KVC_FA_N_SRC; ++is) {
+            n_tiles[is] = (ks[is].n + KVC_FA_TILE_KV - 1) / KVC_FA_TILE_KV;
+            n_sk[is] = ks[is].n ? n_stream / ks[is].r3 : 0;
+            n_sv[is] = ks[is].n ? n_stream / vs[is].r3 : 0;
+            k[is] = p ? p + off : nullptr;
+            off += (size_t) (n_sk[is] * n_head_kv * n_tiles[is] * KVC_FA_TILE_KV * DK);
+            v[is] = p ? p + off : nullptr;
+            off += (size_t) (n_sv[is] * n_head_kv * n_tiles[is] * KVC_FA_TILE_KV * DV);
+        }
+        return off;
     }
-    const float * v_tile(int64_t sv, int64_t hk, int64_t j0, int64_t n_head_kv, int64_t DV) const {
-        return v + ((sv * n_head_kv + hk) * n_tiles + j0 / KVC_FA_TILE_KV) * KVC_FA_TILE_KV * DV;
+
+    const float * k_tile(int is, int64_t sk, int64_t hk, int64_t j0) const {
+        return k[is] + ((sk * n_head_kv + hk) * n_tiles[is] + j0 / KVC_FA_TILE_KV) * KVC_FA_TILE_KV * DK;
+    }
+    const float * v_tile(int is, int64_t sv, int64_t hk, int64_t j0) const {
+        return v[is] + ((sv * n_head_kv + hk) * n_tiles[is] + j0 / KVC_FA_TILE_KV) * KVC_FA_TILE_KV * DV;
     }
 };
 
 // Floats of the shared tiles: 0 when a node has one block of query tokens per KV head (nothing
 // to share) and past KVC_FA_SHARED_MAX bytes (a long context keeps the per-block conversion).
-size_t shared_floats(int64_t DK, int64_t DV, int64_t n_kv, int64_t n_head_kv, int64_t n_stream_k, int64_t n_stream_v,
+size_t shared_floats(const fa_src * ks, const fa_src * vs, int64_t n_stream, int64_t n_head_kv, int64_t DK, int64_t DV,
                      int64_t n_q, int64_t G) {
     const int64_t gh = fa_units(G, 1, n_head_kv, KVC_FA_TILE_Q).gh;
-    const int64_t qb = std::max<int64_t>(1, KVC_FA_TILE_Q / gh);
-    if (n_q <= qb) {
+    if (n_q <= std::max<int64_t>(1, KVC_FA_TILE_Q / gh)) {
         return 0;
     }
-    const int64_t cells = (n_kv + KVC_FA_TILE_KV - 1) / KVC_FA_TILE_KV * KVC_FA_TILE_KV * n_head_kv;
-    const size_t  n = (size_t) (cells * (DK * n_stream_k + DV * n_stream_v));
+    const size_t n = shared_tiles().layout(ks, vs, n_stream, n_head_kv, DK, DV, nullptr);
     return n * sizeof(float) > KVC_FA_SHARED_MAX ? 0 : n;
 }
 
@@ -726,7 +746,7 @@ void v_tile_f32(const fa_src & V, row_to_f32_t to_f32, int64_t j0, int nk, int64
 
 // Query tokens [t0, t1) x query heads h0 .. h0 + gn - 1 of KV head hk in stream s, as the rows
 // r = (t - t0) * gn + g of one tile; scratch: this thread's part of the plan's buffer; sh:
-// the main cells' tiles when the node shares them.
+// the sources' tiles when the node shares them.
 void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, int64_t t0, int64_t t1, float * scratch,
                  const shared_tiles & sh) {
     const bool    ref = a.ref;
@@ -784,10 +804,10 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
                 continue;
             }
 
-            const bool    shared = is == 0 && sh.k;
+            const bool    shared = sh.k[is] != nullptr;
             const float * Kt = K32;
             if (shared) {
-                Kt = sh.k_tile(s / K.r3, hk, j0, a.n_head_kv, DK);
+                Kt = sh.k_tile(is, s / K.r3, hk, j0);
             } else {
                 k_tile_f32(K, k_to_f32, j0, nk, hk, s, DK, &walk, K32);
             }
@@ -805,7 +825,7 @@ void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t g
 
             const float * Vt = V32;
             if (shared) {
-                Vt = sh.v_tile(s / V.r3, hk, j0, a.n_head_kv, DV);
+                Vt = sh.v_tile(is, s / V.r3, hk, j0);
             } else {
                 v_tile_f32(V, v_to_f32, j0, nk, hk, s, DV, V32);
             }
@@ -839,31 +859,34 @@ void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
 
     // The shared tiles, split over the threads; a K tile walks its RoPE angles from an exact
     // start, so its floats do not depend on which thread made it.
-    const fa_src & K0 = a.k[0];
-    const fa_src & V0 = a.v[0];
-    const int64_t  n_sk = a.n_stream / K0.r3, n_sv = a.n_stream / V0.r3;
-    const size_t   n_shared = a.ref || K0.n == 0 ? 0 : shared_floats(a.DK, a.DV, K0.n, a.n_head_kv, n_sk, n_sv, a.n_q, a.G);
-    shared_tiles sh;
+    shared_tiles  sh;
+    const size_t  n_shared = a.ref ? 0 : shared_floats(a.k, a.v, a.n_stream, a.n_head_kv, a.DK, a.DV, a.n_q, a.G);
     if (n_shared > 0 && params->wsize >= (per_thread * nth + n_shared) * sizeof(float)) {
-        const int64_t TK = KVC_FA_TILE_KV;
-        sh.n_tiles = (K0.n + TK - 1) / TK;
-        sh.k = (float *) params->wdata + per_thread * nth;
-        sh.v = sh.k + n_sk * a.n_head_kv * sh.n_tiles * TK * a.DK;
-        const row_to_f32_t k_to_f32 = K0.plans ? nullptr : get_row_to_f32(K0.type, false);
-        const row_to_f32_t v_to_f32 = get_row_to_f32(V0.type, false);
-        const int64_t n_k = n_sk * a.n_head_kv * sh.n_tiles;
-        for (int64_t i = ith; i < n_k + n_sv * a.n_head_kv * sh.n_tiles; i += nth) {
-            const int64_t u  = i < n_k ? i : i - n_k;
-            const int64_t hk = u / sh.n_tiles % a.n_head_kv;
-            const int64_t j0 = u % sh.n_tiles * TK;
-            const int     nk = (int) std::min(TK, K0.n - j0);
-            const int64_t st = u / (sh.n_tiles * a.n_head_kv);
-            if (i < n_k) {
-                kvc_t_rope_walk walk;
-                K0.walk_init(walk, hk);
-                k_tile_f32(K0, k_to_f32, j0, nk, hk, st * K0.r3, a.DK, &walk, sh.k + u * TK * a.DK);
-            } else {
-                v_tile_f32(V0, v_to_f32, j0, nk, hk, st * V0.r3, a.DV, sh.v + u * TK * a.DV);
+        sh.layout(a.k, a.v, a.n_stream, a.n_head_kv, a.DK, a.DV, (float *) params->wdata + per_thread * nth);
+        int64_t i0 = 0; // the first tile of the current (source, K or V)
+        for (int is = 0; is < KVC_FA_N_SRC; ++is) {
+            const fa_src & K = a.k[is];
+            const fa_src & V = a.v[is];
+            const int64_t  n_t = sh.n_tiles[is];
+            const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, false, is == KVC_FA_SRC_UBATCH);
+            const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, false, is == KVC_FA_SRC_UBATCH);
+            for (int kv = 0; kv < 2; ++kv) {
+                const int64_t n = (kv == 0 ? sh.n_sk[is] : sh.n_sv[is]) * a.n_head_kv * n_t;
+                // this thread's first tile of the range [i0, i0 + n): tiles go round the threads
+                for (int64_t u = ((ith - i0) % nth + nth) % nth; u < n; u += nth) {
+                    const int64_t hk = u / n_t % a.n_head_kv;
+                    const int64_t j0 = u % n_t * KVC_FA_TILE_KV;
+                    const int     nk = (int) std::min(KVC_FA_TILE_KV, K.n - j0);
+                    const int64_t st = u / (n_t * a.n_head_kv);
+                    if (kv == 0) {
+                        kvc_t_rope_walk walk;
+                        K.walk_init(walk, hk);
+                        k_tile_f32(K, k_to_f32, j0, nk, hk, st * K.r3, a.DK, &walk, sh.k[is] + u * KVC_FA_TILE_KV * a.DK);
+                    } else {
+                        v_tile_f32(V, v_to_f32, j0, nk, hk, st * V.r3, a.DV, sh.v[is] + u * KVC_FA_TILE_KV * a.DV);
+                    }
+                }
+                i0 += n;
             }
         }
     }
@@ -908,7 +931,11 @@ size_t ggml_kvc_cpu_flash_attn_ext_work_size(const struct ggml_tensor * dst) {
     if (!ours(dst) || !fits(q, k, v)) {
         return 0;
     }
-    return shared_floats(k->ne[0], v->ne[0], k->ne[1], k->ne[2], k->ne[3], v->ne[3], q->ne[1], q->ne[2] / k->ne[2]) * sizeof(float);
+    const fa_src ks[KVC_FA_N_SRC] = { make_src(k, q->ne[3]), make_src(dst->src[GGML_KVCOMP_FA_SRC_K_EXACT], q->ne[3]),
+                                      make_src(dst->src[GGML_KVCOMP_FA_SRC_K_UBATCH], q->ne[3]) };
+    const fa_src vs[KVC_FA_N_SRC] = { make_src(v, q->ne[3]), make_src(dst->src[GGML_KVCOMP_FA_SRC_V_EXACT], q->ne[3]),
+                                      make_src(dst->src[GGML_KVCOMP_FA_SRC_V_UBATCH], q->ne[3]) };
+    return shared_floats(ks, vs, q->ne[3], k->ne[2], k->ne[0], v->ne[0], q->ne[1], q->ne[2] / k->ne[2]) * sizeof(float);
 }
 
 bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
