@@ -19,6 +19,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_transform_proto import MAX_BITS, lloyd_max
 
 
+def mids(b: int) -> list[float]:
+    """The thresholds between b bits' neighbouring levels: the levels as the C table holds them
+    (9 digits round-trip a float), then their midpoints in float arithmetic."""
+    lv = [np.float32(f"{v:.8e}") for v in lloyd_max(b)[0]]
+    return [float(np.float32(0.5) * (lv[k] + lv[k + 1])) for k in range(len(lv) - 1)]
+
+
+def sorted_order(b: int) -> list[int]:
+    return list(range((1 << b) - 1))
+
+
+def tree_order(b: int) -> list[int]:
+    """The thresholds in the order a binary search meets them, level by level: level k's
+    2^k thresholds, m-th at (2m + 1) 2^(b-1-k) - 1."""
+    return [(2 * m + 1) * (1 << (b - 1 - k)) - 1 for k in range(b) for m in range(1 << k)]
+
+
 def header() -> str:
     out = [
         "#pragma once",
@@ -27,7 +44,10 @@ def header() -> str:
         "// Gaussian: KVC_LM_LEVELS holds the 2^b levels of b bits, b = 1..8, one after the other",
         "// (b's start at 2^b - 2); KVC_LM_MIDS holds the 2^b - 1 decision thresholds between",
         "// neighbouring levels, 0.5f * (l[k] + l[k + 1]) in float as C computes it (b's start at",
-        "// 2^b - b - 1); KVC_LM_DIST[b] is the mean squared error at b bits (1 at 0 bits).",
+        "// 2^b - b - 1); KVC_LM_MIDS_TREE holds them in the order a binary search meets them,",
+        "// level by level (level k's 2^k thresholds at b's start + 2^k - 1, the m-th the sorted",
+        "// table's (2m + 1) 2^(b-1-k) - 1); KVC_LM_DIST[b] is the mean squared error at b bits",
+        "// (1 at 0 bits).",
         "",
         f"#define KVC_LM_MAX_BITS {MAX_BITS}",
         "",
@@ -40,17 +60,14 @@ def header() -> str:
             out.append("    " + ", ".join(vals[i:i + 4]) + ", \\")
     out.append("}")
     out.append("")
-    out.append("#define KVC_LM_MIDS { \\")
-    for b in range(1, MAX_BITS + 1):
-        levels, _ = lloyd_max(b)
-        # the levels as the C table holds them (9 digits round-trip a float), then their
-        # midpoints in float arithmetic
-        lv = [np.float32(f"{v:.8e}") for v in levels]
-        vals = [f"{float(np.float32(0.5) * (lv[k] + lv[k + 1])):.8e}f" for k in range(len(lv) - 1)]
-        for i in range(0, len(vals), 4):
-            out.append("    " + ", ".join(vals[i:i + 4]) + ", \\")
-    out.append("}")
-    out.append("")
+    for name, order in (("KVC_LM_MIDS", sorted_order), ("KVC_LM_MIDS_TREE", tree_order)):
+        out.append(f"#define {name} {{ \\")
+        for b in range(1, MAX_BITS + 1):
+            vals = [f"{mids(b)[k]:.8e}f" for k in order(b)]
+            for i in range(0, len(vals), 4):
+                out.append("    " + ", ".join(vals[i:i + 4]) + ", \\")
+        out.append("}")
+        out.append("")
     dist = ", ".join(f"{lloyd_max(b)[1]:.8e}f" for b in range(MAX_BITS + 1))
     out.append(f"#define KVC_LM_DIST {{ {dist} }}")
     return "\n".join(out) + "\n"

@@ -5,6 +5,7 @@
 // thread quantizes an equal share, each block on one thread.
 
 #include "kvc-cpu.h"
+#include "kvc-kvct-code-cpu.h"
 #include "ggml-cpu.h"
 #include "ggml-cpu-impl.h"
 
@@ -68,10 +69,10 @@ static void kvc_set_rows_kvct(const struct ggml_compute_params * params, struct 
         char       * y;
         kvc_set_rows_at(dst, u / n_head, &x, &y);
         if (src0->type == GGML_TYPE_F32) {
-            quantize_row_kvct_ref(&plan[h], (const float *) x + h * d, (uint8_t *) y + h * rs);
+            kvc_t_quantize_row(&plan[h], (const float *) x + h * d, (uint8_t *) y + h * rs);
         } else {
             ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) x + h * d, buf, d);
-            quantize_row_kvct_ref(&plan[h], buf, (uint8_t *) y + h * rs);
+            kvc_t_quantize_row(&plan[h], buf, (uint8_t *) y + h * rs);
         }
     }
 }

@@ -8,9 +8,6 @@
 #include <math.h>
 #include <string.h>
 
-// The row scale's search, in 1/8 octaves around the RMS's code (quantize_row_kvct_ref).
-#define KVC_T_SEARCH_DOWN 4
-#define KVC_T_SEARCH_UP   16
 
 static_assert(KVC_LM_MAX_BITS == KVC_T_MAX_BITS, "the Lloyd-Max table covers every bit count of a coefficient");
 
@@ -40,6 +37,10 @@ static inline const float * kvc_t_mids(int b) {
 
 const float * kvc_t_levels_of(int bits) {
     return bits >= 1 && bits <= KVC_T_MAX_BITS ? kvc_t_levels(bits) : NULL;
+}
+
+const float * kvc_t_mids_of(int bits) {
+    return bits >= 1 && bits <= KVC_T_MAX_BITS ? kvc_t_mids(bits) : NULL;
 }
 
 // Whether d is a head size a plan holds and its pairs name every channel exactly once.
@@ -217,19 +218,15 @@ static double kvc_t_row_error(const kvc_t_plan * plan, const float * u, uint8_t 
     return err;
 }
 
-void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y) {
+uint8_t kvc_t_row_start(const kvc_t_plan * plan, const float * GGML_RESTRICT x, float * GGML_RESTRICT u) {
     const int32_t d = plan->d;
     float xs[KVC_T_MAX_D] = { 0 };
-    float u[KVC_T_MAX_D];
     for (int32_t j = 0; j < d; ++j) {
         xs[j] = isfinite(x[j]) ? x[j] : plan->mean[j];
     }
     kvc_t_forward(plan, xs, u);
 
-    // the scale: from the RMS of the coded coefficients in units of their sigma, the code
-    // with the smallest error among KVC_T_SEARCH_DOWN below and KVC_T_SEARCH_UP above it (a
-    // row with a coefficient far out in its distribution is better served by a larger scale
-    // than by clipping it at the outermost level)
+    // the scale the search starts from: the RMS of the coded coefficients in units of their sigma
     double ss = 0.0;
     int    n  = 0;
     for (int32_t j = 0; j < d; ++j) {
@@ -239,11 +236,13 @@ void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT 
             ++n;
         }
     }
-    memset(y, 0, kvc_t_row_size(plan->row_bits));
-    const uint8_t e0 = kvc_t_scale_code(n > 0 ? (float) sqrt(ss / n) : 0.0f);
-    if (e0 == 0) {
-        return;
-    }
+    return kvc_t_scale_code(n > 0 ? (float) sqrt(ss / n) : 0.0f);
+}
+
+// The code with the smallest error among KVC_T_SEARCH_DOWN below e0 and KVC_T_SEARCH_UP above
+// it (a row with a coefficient far out in its distribution is better served by a larger scale
+// than by clipping it at the outermost level); ties go to e0, then to the smaller code.
+uint8_t kvc_t_row_search_ref(const kvc_t_plan * plan, const float * u, uint8_t e0) {
     uint8_t e = e0;
     double  best = kvc_t_row_error(plan, u, e0, INFINITY);
     for (int c = (int) e0 - KVC_T_SEARCH_DOWN; c <= (int) e0 + KVC_T_SEARCH_UP; ++c) {
@@ -255,10 +254,18 @@ void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT 
             }
         }
     }
+    return e;
+}
+
+void kvc_t_row_pack(const kvc_t_plan * plan, const float * u, uint8_t e, uint8_t * GGML_RESTRICT y) {
+    memset(y, 0, kvc_t_row_size(plan->row_bits));
+    if (e == 0) {
+        return;
+    }
     y[0] = e;
     const float inv = 1.0f / kvc_e8_to_fp32(e);
     int32_t pos = 8;
-    for (int32_t j = 0; j < d; ++j) {
+    for (int32_t j = 0; j < plan->d; ++j) {
         const int b = plan->bits[j];
         if (b == 0) {
             continue;
@@ -268,6 +275,12 @@ void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT 
             y[pos / 8] |= (uint8_t) (((code >> i) & 1u) << (pos % 8));
         }
     }
+}
+
+void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y) {
+    float u[KVC_T_MAX_D];
+    const uint8_t e0 = kvc_t_row_start(plan, x, u);
+    kvc_t_row_pack(plan, u, e0 == 0 ? 0 : kvc_t_row_search_ref(plan, u, e0), y);
 }
 
 void dequantize_row_kvct(const kvc_t_plan * plan, const uint8_t * GGML_RESTRICT x, float * GGML_RESTRICT y) {

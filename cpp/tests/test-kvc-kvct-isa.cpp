@@ -10,10 +10,12 @@
 // dequantize_row_kvct turned by kvc_t_rope_cs's exact angles: NMSE <= 1e-10 (the walk's
 // float angles; measured about 1e-12), and rows after RoPE (no turn) bit for bit. The rows'
 // scores against queries (kvc_t_decoder_dots, which decode steps use) are held to double dot
-// products of the reference rows.
+// products of the reference rows. The coder (kvc_t_quantize_row, kvc-kvct-code-cpu.c) writes
+// the reference's bytes.
 
 #include "kvc-test-util.h"
 #include "kvc-kvct-cpu.h"
+#include "kvc-kvct-code-cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,7 +26,7 @@ using namespace kvc_test;
 
 namespace {
 
-kvc_t_plan make_plan(int d, bool neox, bool steep, kvc_t_basis basis) {
+kvc_t_plan make_plan(int d, bool neox, bool steep, kvc_t_basis basis, ggml_type type = GGML_TYPE_KVCT4) {
     int16_t pair[KVC_T_MAX_D / 2][2];
     float   mean[KVC_T_MAX_D], k2[KVC_T_MAX_D / 2][3], w[KVC_T_MAX_D / 2][3];
     for (int p = 0; p < d / 2; ++p) {
@@ -41,7 +43,7 @@ kvc_t_plan make_plan(int d, bool neox, bool steep, kvc_t_basis basis) {
     }
     const kvc_t_stats st = { d, pair, mean, k2, w };
     kvc_t_plan plan;
-    GGML_ASSERT(kvc_t_plan_fit(&plan, &st, basis, kvc_t_type_row_bits(GGML_TYPE_KVCT4, d)));
+    GGML_ASSERT(kvc_t_plan_fit(&plan, &st, basis, kvc_t_type_row_bits(type, d)));
     return plan;
 }
 
@@ -144,6 +146,39 @@ void test_decoder(report & rep, int d, bool neox, bool steep) {
               name, steep ? " steep" : "", worst[0]);
 }
 
+// The coder (kvc_t_quantize_row, a cache's writes) against quantize_row_kvct_ref, byte for
+// byte: rows of three distributions at four magnitudes (so that the search's candidates run
+// past both ends of the scale codes), all-zero rows, and rows with NaN and Inf values.
+void test_coder(report & rep, int d, bool neox, bool steep, ggml_type type) {
+    const int n = 1500;
+    const kvc_t_plan plan = make_plan(d, neox, steep, neox ? KVC_T_BASIS_POOLED : KVC_T_BASIS_PAIR_AXES, type);
+    const size_t rb = kvc_t_row_size(plan.row_bits);
+    std::vector<uint8_t> a(rb), b(rb);
+    std::vector<float> xs(d);
+    const dist dists[3] = { dist::gaussian, dist::student_t3, dist::outlier_channels };
+    const float gains[4] = { 1.0f, 1e-17f, 3e9f, 0.02f };
+    int differ = 0, coded = 0;
+    for (int k = 0; k < 3; ++k) {
+        const auto x = make_rows(dists[k], n, d, 91 + 7 * k + d);
+        for (int r = 0; r < n; ++r) {
+            const float g = r % 50 == 7 ? 0.0f : gains[r % 4];
+            for (int i = 0; i < d; ++i) {
+                xs[i] = g == 0.0f ? plan.mean[i] : plan.mean[i] + g * x[(size_t) r * d + i] * std::sqrt(plan.sigma[i]);
+            }
+            if (r % 97 == 3) {
+                xs[r % d] = NAN;
+                xs[(r + 5) % d] = -INFINITY;
+            }
+            kvc_t_quantize_row(&plan, xs.data(), a.data());
+            quantize_row_kvct_ref(&plan, xs.data(), b.data());
+            differ += memcmp(a.data(), b.data(), rb) != 0;
+            coded += a[0] != 0;
+        }
+    }
+    rep.check(differ == 0 && coded > 0, "%s: d=%3d %s%s %s rows coded as the reference codes them: %d of %d differ (%d not zero)",
+              KVC_ISA, d, neox ? "neox" : "normal", steep ? " steep" : "", ggml_type_name(type), differ, 3 * n, coded);
+}
+
 } // namespace
 
 int main() {
@@ -162,6 +197,9 @@ int main() {
         for (bool neox : { false, true }) {
             for (bool steep : { false, true }) {
                 test_decoder(rep, d, neox, steep);
+                for (ggml_type t : { GGML_TYPE_KVCT4, GGML_TYPE_KVCT3 }) {
+                    test_coder(rep, d, neox, steep, t);
+                }
             }
         }
     }
