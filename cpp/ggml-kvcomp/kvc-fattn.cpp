@@ -39,6 +39,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -284,8 +285,6 @@ struct fa_node {
     const ggml_tensor * sinks;
     ggml_tensor *       dst;
     fa_src   k[KVC_FA_N_SRC], v[KVC_FA_N_SRC]; // main cells, exact slots, exact rows of the ubatch (F32 read as F16)
-    std::vector<kvc_t_decoder> k_plans;       // per KV head of a kvct main K
-    std::unique_ptr<kvc_t_rope_steps> k_steps; // the steps of its RoPE (rows coded before RoPE)
     int64_t  DK, DV, n_q, n_head, n_head_kv, n_stream, G, n_keys;
     float    scale, softcap, max_bias, m0, m1;
     uint32_t n_head_log2;
@@ -908,6 +907,44 @@ bool readable(ggml_type t) {
     return t == GGML_TYPE_F32 || ggml_get_type_traits(t)->to_float != nullptr;
 }
 
+// What a thread reads a kvct K cache with, made from the node's plans tensor: a decoder per KV
+// head and its RoPE's steps (rows coded before RoPE). Made anew by every thread for every node
+// they cost about 2 us a node (the steps' angles in double, the decoders' tables: a decode node
+// over 64 keys took 9.0 us, now 7.0, F16's 6.0); each thread keeps them per plans tensor and
+// makes them again when its bytes change (a context that loads other statistics).
+struct kvct_read {
+    std::vector<uint8_t>              bytes; // the plans tensor they were made from
+    std::vector<kvc_t_decoder>        dec;
+    std::unique_ptr<kvc_t_rope_steps> steps;
+};
+
+constexpr size_t KVC_FA_READ_CACHE = 512; // plans tensors a thread keeps (a model's layers, a few contexts)
+
+const kvct_read & kvct_read_of(const ggml_tensor * kp, int64_t n_head) {
+    thread_local std::unordered_map<const void *, kvct_read> cache;
+    if (cache.size() >= KVC_FA_READ_CACHE && cache.find(kp->data) == cache.end()) {
+        cache.clear();
+    }
+    kvct_read &   r  = cache[kp->data];
+    const size_t  nb = ggml_nbytes(kp);
+    const auto *  p  = (const uint8_t *) kp->data;
+    if (r.bytes.size() == nb && memcmp(r.bytes.data(), p, nb) == 0) {
+        return r;
+    }
+    r.bytes.assign(p, p + nb);
+    r.dec.resize(n_head);
+    for (int64_t h = 0; h < n_head; ++h) {
+        kvc_t_decoder_init(&r.dec[h], (const kvc_t_plan *) kp->data + h);
+    }
+    const kvc_t_rope * rope = (const kvc_t_rope *) ((const kvc_t_plan *) kp->data + n_head);
+    r.steps.reset();
+    if (rope->n_pairs > 0) {
+        r.steps.reset(new kvc_t_rope_steps);
+        kvc_t_rope_steps_init(r.steps.get(), rope);
+    }
+    return r;
+}
+
 // the shapes and types these kernels take
 bool fits(const ggml_tensor * q, const ggml_tensor * k, const ggml_tensor * v) {
     return q->type == GGML_TYPE_F32 && (ggml_kvcomp_is_kvct(k->type) || readable(k->type)) && readable(v->type) &&
@@ -971,21 +1008,16 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
     a.n_stream  = q->ne[3];
     a.k[0] = make_src(k, a.n_stream);
     if (kvct) {
-        a.k_plans.resize(k->ne[2]);
-        for (int64_t h = 0; h < k->ne[2]; ++h) {
-            kvc_t_decoder_init(&a.k_plans[h], (const kvc_t_plan *) kp->data + h);
-        }
-        a.k[0].plans = a.k_plans.data();
+        const kvct_read & kr = kvct_read_of(kp, k->ne[2]);
+        a.k[0].plans = kr.dec.data();
         a.k[0].ref   = params->use_ref;
         const kvc_t_rope * rope = (const kvc_t_rope *) ((const kvc_t_plan *) kp->data + k->ne[2]);
         if (rope->n_pairs > 0) {
             const ggml_tensor * pos = ggml_kvct_get_positions(dst);
             GGML_ASSERT(rope->n_pairs * 2 == k->ne[0] && pos && pos->type == GGML_TYPE_I32 &&
                         "kvcomp: kvct rows coded before RoPE are read with their cells' positions");
-            a.k_steps.reset(new kvc_t_rope_steps);
-            kvc_t_rope_steps_init(a.k_steps.get(), rope);
             a.k[0].rope    = rope;
-            a.k[0].steps   = a.k_steps.get();
+            a.k[0].steps   = kr.steps.get();
             a.k[0].pos     = (const int32_t *) pos->data;
             a.k[0].pos_ne0 = pos->ne[0];
             // the view's first stream of the cache
