@@ -662,6 +662,11 @@ size_t prompt_scratch_floats(int64_t DK, int64_t DV) {
            KVC_FA_TILE_KV * DK + KVC_FA_PAD;
 }
 
+// query tokens of a prompt's work item: as many as fill a tile's rows with the units' query heads
+int64_t prompt_block(const fa_units & units) {
+    return std::max<int64_t>(1, KVC_FA_TILE_Q / units.gh);
+}
+
 // Keys [j0, j0 + nk) of KV head hk in stream s as one tile of F32 columns, K32[DK][TK] (the
 // layout gemm_f32 multiplies), the columns past nk zero.
 void k_tile_f32(const fa_src & K, row_to_f32_t to_f32, int64_t j0, int nk, int64_t hk, int64_t s, int64_t DK,
@@ -724,8 +729,7 @@ struct shared_tiles {
 // to share) and past KVC_FA_SHARED_MAX bytes (a long context keeps the per-block conversion).
 size_t shared_floats(const fa_src * ks, const fa_src * vs, int64_t n_stream, int64_t n_head_kv, int64_t DK, int64_t DV,
                      int64_t n_q, int64_t G) {
-    const int64_t gh = fa_units(G, 1, n_head_kv, KVC_FA_TILE_Q).gh;
-    if (n_q <= std::max<int64_t>(1, KVC_FA_TILE_Q / gh)) {
+    if (n_q <= prompt_block(fa_units(G, 1, n_head_kv, KVC_FA_TILE_Q))) {
         return 0;
     }
     const size_t n = shared_tiles().layout(ks, vs, n_stream, n_head_kv, DK, DV, nullptr);
@@ -852,7 +856,7 @@ void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
     float * scratch = (float *) params->wdata + per_thread * ith;
 
     const fa_units units(a, KVC_FA_TILE_Q);
-    const int64_t  qb      = std::max<int64_t>(1, KVC_FA_TILE_Q / units.gh);
+    const int64_t  qb      = prompt_block(units);
     const int64_t  n_qb    = (a.n_q + qb - 1) / qb;
     const int64_t  n_items = units.n * n_qb;
 

@@ -9,8 +9,6 @@
 #include "kvc-common.h"
 #include "kvc-lloyd-max.h"
 
-#include <string.h>
-
 #if defined(__AVX512F__) && defined(__GNUC__)
 #include <immintrin.h>
 #define KVC_T_CODE_AVX512
@@ -127,29 +125,6 @@ static uint8_t kvc_t_row_search_avx512(const kvc_t_plan * plan, const float * u,
     }
     return e;
 }
-
-// Row y at scale code e > 0 from its coefficients' codes, as kvc_t_row_pack writes it: the
-// codes' bits one after the other from the lowest, after the scale's byte.
-static void kvc_t_pack_codes(const kvc_t_plan * plan, const uint8_t (*codes)[32], int32_t i, uint8_t e, uint8_t * GGML_RESTRICT y) {
-    memset(y, 0, kvc_t_row_size(plan->row_bits));
-    uint8_t * out = y;
-    uint64_t  acc = e;
-    int32_t   n   = 8;
-    for (int32_t j = 0; j < plan->d; ++j) {
-        if (plan->bits[j] == 0) {
-            continue;
-        }
-        acc |= (uint64_t) codes[j][i] << n;
-        n += plan->bits[j];
-        for (; n >= 8; n -= 8) {
-            *out++ = (uint8_t) acc;
-            acc >>= 8;
-        }
-    }
-    if (n > 0) {
-        *out = (uint8_t) acc;
-    }
-}
 #endif
 
 void kvc_t_quantize_row(const kvc_t_plan * plan, const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y) {
@@ -159,7 +134,7 @@ void kvc_t_quantize_row(const kvc_t_plan * plan, const float * GGML_RESTRICT x, 
     if (e0 > 0) {
         uint8_t codes[KVC_T_MAX_D][32];
         const uint8_t e = kvc_t_row_search_avx512(plan, u, e0, codes);
-        kvc_t_pack_codes(plan, codes, (int32_t) e - ((int32_t) e0 - KVC_T_SEARCH_DOWN), e, y);
+        kvc_t_row_pack_codes(plan, &codes[0][e - (e0 - KVC_T_SEARCH_DOWN)], 32, e, y);
         return;
     }
 #endif

@@ -8,7 +8,6 @@
 #include <math.h>
 #include <string.h>
 
-
 static_assert(KVC_LM_MAX_BITS == KVC_T_MAX_BITS, "the Lloyd-Max table covers every bit count of a coefficient");
 
 static const float kvc_lm_levels[] = KVC_LM_LEVELS;
@@ -37,10 +36,6 @@ static inline const float * kvc_t_mids(int b) {
 
 const float * kvc_t_levels_of(int bits) {
     return bits >= 1 && bits <= KVC_T_MAX_BITS ? kvc_t_levels(bits) : NULL;
-}
-
-const float * kvc_t_mids_of(int bits) {
-    return bits >= 1 && bits <= KVC_T_MAX_BITS ? kvc_t_mids(bits) : NULL;
 }
 
 // Whether d is a head size a plan holds and its pairs name every channel exactly once.
@@ -257,24 +252,38 @@ uint8_t kvc_t_row_search_ref(const kvc_t_plan * plan, const float * u, uint8_t e
     return e;
 }
 
-void kvc_t_row_pack(const kvc_t_plan * plan, const float * u, uint8_t e, uint8_t * GGML_RESTRICT y) {
+void kvc_t_row_pack_codes(const kvc_t_plan * plan, const uint8_t * codes, size_t stride, uint8_t e, uint8_t * GGML_RESTRICT y) {
     memset(y, 0, kvc_t_row_size(plan->row_bits));
-    if (e == 0) {
-        return;
-    }
-    y[0] = e;
-    const float inv = 1.0f / kvc_e8_to_fp32(e);
-    int32_t pos = 8;
+    uint8_t * out = y;
+    uint64_t  acc = e;
+    int32_t   n   = 8;
     for (int32_t j = 0; j < plan->d; ++j) {
-        const int b = plan->bits[j];
-        if (b == 0) {
+        if (plan->bits[j] == 0) {
             continue;
         }
-        const uint32_t code = (uint32_t) kvc_t_nearest(b, u[j] * inv);
-        for (int i = 0; i < b; ++i, ++pos) {
-            y[pos / 8] |= (uint8_t) (((code >> i) & 1u) << (pos % 8));
+        acc |= (uint64_t) codes[j * stride] << n;
+        n += plan->bits[j];
+        for (; n >= 8; n -= 8) {
+            *out++ = (uint8_t) acc;
+            acc >>= 8;
         }
     }
+    if (n > 0) {
+        *out = (uint8_t) acc;
+    }
+}
+
+void kvc_t_row_pack(const kvc_t_plan * plan, const float * u, uint8_t e, uint8_t * GGML_RESTRICT y) {
+    if (e == 0) {
+        memset(y, 0, kvc_t_row_size(plan->row_bits));
+        return;
+    }
+    const float inv = 1.0f / kvc_e8_to_fp32(e);
+    uint8_t codes[KVC_T_MAX_D];
+    for (int32_t j = 0; j < plan->d; ++j) {
+        codes[j] = plan->bits[j] > 0 ? (uint8_t) kvc_t_nearest(plan->bits[j], u[j] * inv) : 0;
+    }
+    kvc_t_row_pack_codes(plan, codes, 1, e, y);
 }
 
 void quantize_row_kvct_ref(const kvc_t_plan * plan, const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y) {

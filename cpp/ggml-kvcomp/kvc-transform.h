@@ -143,6 +143,10 @@ GGML_API void dequantize_row_kvct(const kvc_t_plan * plan, const uint8_t * GGML_
 GGML_API uint8_t kvc_t_row_start(const kvc_t_plan * plan, const float * GGML_RESTRICT x, float * GGML_RESTRICT u);
 GGML_API uint8_t kvc_t_row_search_ref(const kvc_t_plan * plan, const float * u, uint8_t e0);
 GGML_API void    kvc_t_row_pack(const kvc_t_plan * plan, const float * u, uint8_t e, uint8_t * GGML_RESTRICT y);
+// The row at scale code e > 0 from its coefficients' codes (coefficient j's at codes[j * stride]):
+// the scale's byte, then the codes' bits one after the other from the lowest.
+GGML_API void    kvc_t_row_pack_codes(const kvc_t_plan * plan, const uint8_t * codes, size_t stride, uint8_t e,
+                                      uint8_t * GGML_RESTRICT y);
 
 // Whether nb bytes of kvct rows of d values hold only what quantize_row_kvct_ref writes: every
 // head's row scale code at most KVC_E8_MAX (any code bits are levels). A state file with
@@ -152,8 +156,6 @@ GGML_API bool kvc_t_validate_rows(enum ggml_type type, int64_t d, const void * d
 // The 2^b Lloyd-Max levels of b bits (1..8), in units of a coefficient's sigma times the row
 // scale: what dequantize_row_kvct multiplies, for kernels that decode rows their own way.
 GGML_API const float * kvc_t_levels_of(int bits);
-// The 2^b - 1 thresholds between them: a value codes to the number of thresholds below it.
-GGML_API const float * kvc_t_mids_of(int bits);
 
 // The Lloyd-Max distortion of a unit Gaussian at b bits (1 at 0 bits), from the shared table.
 GGML_API float kvc_t_lloyd_max_dist(int bits);
