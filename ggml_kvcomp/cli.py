@@ -187,9 +187,9 @@ def cmd_steps(args: argparse.Namespace, argv: Sequence[str]) -> int:
     configs = _configs(args.configs)
     for cfg in configs:
         print(f"kvcomp steps: {cfg.label} ...", file=sys.stderr, flush=True)
-        results.append(steps.run_steps(cfg, model, args.depth, args.n_gen, args.threads))
+        results.append(steps.run_steps(cfg, model, args.depth, args.n_gen, args.threads, ops=args.ops))
     heading = (f"Per-step decode latency, {args.model}, depth ~{args.depth}, {args.n_gen} steps, "
-               f"{args.threads} threads")
+               f"{args.threads} threads" + (", every node timed on its own" if args.ops else ""))
     _emit(args, argv, steps.steps_table(results), [asdict(r) for r in results],
           f"steps-{args.model}" + _section_suffix(configs), heading, "")
     return 0
@@ -329,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(st)
     st.add_argument("--depth", type=_positive, default=4096)
     st.add_argument("--n-gen", type=_positive, default=64)
+    st.add_argument("--ops", action="store_true",
+                    help="also time each graph node on its own (slower steps; the attention node's own time)")
     st.set_defaults(func=cmd_steps)
 
     nd = sub.add_parser("needle", help="a fact hidden at several depths of filler text, exact-match retrieval")

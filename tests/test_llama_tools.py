@@ -184,6 +184,18 @@ def test_steps_tool_sorts_steps_by_merges(model: Path) -> None:
     assert buffered.max_ms_merge > 0 and buffered.max_ms_no_merge > 0
 
 
+@pytest.mark.parametrize("config", ["f16", "kvc4"])
+def test_steps_tool_times_each_op(model: Path, config: str) -> None:
+    r = steps.run_steps(KvConfig.parse(config), model, depth=200, n_gen=8, threads=2, ops=True)
+    attn = r.op(steps.ATTENTION_OP)
+    assert attn is not None and attn.us_per_node > 0
+    # one attention node per layer, every step alike
+    assert attn.nodes_per_step >= 1 and attn.nodes_per_step == round(attn.nodes_per_step)
+    # the nodes' times lie inside the steps' own
+    assert sum(o.us_per_step for o in r.ops) <= r.mean_ms * 1000
+    assert "| attention µs/node |" in steps.steps_table([r])
+
+
 def _log(proc: subprocess.CompletedProcess[str]) -> str:
     return proc.stdout + proc.stderr
 

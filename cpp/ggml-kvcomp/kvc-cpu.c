@@ -194,33 +194,45 @@ KVC_VEC_DOT_MULTI_LOOP(ggml_vec_dot_kvc2_q8_0_generic)
 
 #if defined(KVC_AVX2)
 
-// One kernel per type for one and for several query rows: each block is decoded once and
-// the rows meet it in turn, each with its own accumulator, so a row's sum is the same
-// whatever the number of rows. The single-row vec_dot is this kernel at ny = 1 (rows of 128
-// measured as fast as with the single-row kernel it replaced, within this VM's noise).
+// One kernel per type for one and for several query rows: the row is decoded a chunk of
+// blocks at a time and the rows meet the chunk in turn, each with its own accumulator, so a
+// row's sum is the same whatever the number of rows. The single-row vec_dot is this kernel at
+// ny = 1. Queries are the outer loop over a chunk: with the accumulators of every query live
+// across a block, GCC kept them in registers behind a flag per query and spilled them at the
+// end of each call, and a decode step (one call per key) slowed by a fifth or not with where
+// its stack fell (llama-bench against the same step in another program).
+#define KVC_DOT_CHUNK 8
+
 #define KVC_VEC_DOT_MULTI_AVX2(name, n_levels)                                                        \
 static inline void kvc_vec_dot_multi_##name##_avx2(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx, \
                                                    const void * GGML_RESTRICT vy, size_t by, int ny) { \
     assert(n % QK_KVC == 0 && ny <= GGML_KVC_DOT_MULTI_MAX);                                          \
     const block_##name * GGML_RESTRICT x = (const block_##name *) vx;                                 \
     const __m256i lut = kvc_lut_avx2(kvalues_##name, n_levels);                                       \
+    const int nb = n / QK_KVC;                                                                        \
     __m256 acc[GGML_KVC_DOT_MULTI_MAX];                                                               \
-    for (int g = 0; g < ny; ++g) {                                                                    \
-        acc[g] = _mm256_setzero_ps();                                                                 \
-    }                                                                                                 \
-    for (int ib = 0; ib < n / QK_KVC; ++ib) {                                                         \
-        const __m256i v  = _mm256_shuffle_epi8(lut, name##_codes_avx2(&x[ib]));                       \
-        const __m256i av = _mm256_sign_epi8(v, v);                                                    \
-        const float   d0 = kvc_e8_to_fp32(x[ib].e[0]);                                                \
-        const float   d1 = kvc_e8_to_fp32(x[ib].e[1]);                                                \
+    for (int ib0 = 0; ib0 < nb; ib0 += KVC_DOT_CHUNK) {                                               \
+        const int nc = nb - ib0 < KVC_DOT_CHUNK ? nb - ib0 : KVC_DOT_CHUNK;                           \
+        __m256i v[KVC_DOT_CHUNK], av[KVC_DOT_CHUNK];                                                  \
+        float   d0[KVC_DOT_CHUNK], d1[KVC_DOT_CHUNK];                                                 \
+        for (int c = 0; c < nc; ++c) {                                                                \
+            v[c]  = _mm256_shuffle_epi8(lut, name##_codes_avx2(&x[ib0 + c]));                         \
+            av[c] = _mm256_sign_epi8(v[c], v[c]);                                                     \
+            d0[c] = kvc_e8_to_fp32(x[ib0 + c].e[0]);                                                  \
+            d1[c] = kvc_e8_to_fp32(x[ib0 + c].e[1]);                                                  \
+        }                                                                                             \
         for (int g = 0; g < ny; ++g) {                                                                \
-            const block_q8_0 * y = (const block_q8_0 *) ((const char *) vy + g * by) + ib;            \
-            const __m256i p = kvc_dot_i8_groups_abs(av, v, _mm256_loadu_si256((const __m256i *) y->qs)); \
-            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), kvc_sub_scales(d0, d1, GGML_CPU_FP16_TO_FP32(y->d)), acc[g]); \
+            const block_q8_0 * y = (const block_q8_0 *) ((const char *) vy + g * by) + ib0;           \
+            __m256 a = ib0 > 0 ? acc[g] : _mm256_setzero_ps();                                        \
+            for (int c = 0; c < nc; ++c) {                                                            \
+                const __m256i p = kvc_dot_i8_groups_abs(av[c], v[c], _mm256_loadu_si256((const __m256i *) y[c].qs)); \
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), kvc_sub_scales(d0[c], d1[c], GGML_CPU_FP16_TO_FP32(y[c].d)), a); \
+            }                                                                                         \
+            acc[g] = a;                                                                               \
         }                                                                                             \
     }                                                                                                 \
     for (int g = 0; g < ny; ++g) {                                                                    \
-        s[g] = kvc_hsum_f32_8(acc[g]);                                                                \
+        s[g] = nb > 0 ? kvc_hsum_f32_8(acc[g]) : 0.0f;                                                \
     }                                                                                                 \
 }
 
@@ -232,22 +244,29 @@ static inline void kvc_vec_dot_multi_kvc8_avx2(int n, float * GGML_RESTRICT s, c
                                                const void * GGML_RESTRICT vy, size_t by, int ny) {
     assert(n % QK_KVC == 0 && ny <= GGML_KVC_DOT_MULTI_MAX);
     const block_kvc8 * GGML_RESTRICT x = (const block_kvc8 *) vx;
+    const int nb = n / QK_KVC;
     __m256 acc[GGML_KVC_DOT_MULTI_MAX];
-    for (int g = 0; g < ny; ++g) {
-        acc[g] = _mm256_setzero_ps();
-    }
-    for (int ib = 0; ib < n / QK_KVC; ++ib) {
-        const __m256i v  = _mm256_loadu_si256((const __m256i *) x[ib].qs);
-        const __m256i av = _mm256_sign_epi8(v, v);
-        const float   dx = GGML_CPU_FP16_TO_FP32(x[ib].d);
+    for (int ib0 = 0; ib0 < nb; ib0 += KVC_DOT_CHUNK) {
+        const int nc = nb - ib0 < KVC_DOT_CHUNK ? nb - ib0 : KVC_DOT_CHUNK;
+        __m256i v[KVC_DOT_CHUNK], av[KVC_DOT_CHUNK];
+        float   dx[KVC_DOT_CHUNK];
+        for (int c = 0; c < nc; ++c) {
+            v[c]  = _mm256_loadu_si256((const __m256i *) x[ib0 + c].qs);
+            av[c] = _mm256_sign_epi8(v[c], v[c]);
+            dx[c] = GGML_CPU_FP16_TO_FP32(x[ib0 + c].d);
+        }
         for (int g = 0; g < ny; ++g) {
-            const block_q8_0 * y = (const block_q8_0 *) ((const char *) vy + g * by) + ib;
-            const __m256i p = kvc_dot_i8_groups_abs(av, v, _mm256_loadu_si256((const __m256i *) y->qs));
-            acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx * GGML_CPU_FP16_TO_FP32(y->d)), acc[g]);
+            const block_q8_0 * y = (const block_q8_0 *) ((const char *) vy + g * by) + ib0;
+            __m256 a = ib0 > 0 ? acc[g] : _mm256_setzero_ps();
+            for (int c = 0; c < nc; ++c) {
+                const __m256i p = kvc_dot_i8_groups_abs(av[c], v[c], _mm256_loadu_si256((const __m256i *) y[c].qs));
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx[c] * GGML_CPU_FP16_TO_FP32(y[c].d)), a);
+            }
+            acc[g] = a;
         }
     }
     for (int g = 0; g < ny; ++g) {
-        s[g] = kvc_hsum_f32_8(acc[g]);
+        s[g] = nb > 0 ? kvc_hsum_f32_8(acc[g]) : 0.0f;
     }
 }
 

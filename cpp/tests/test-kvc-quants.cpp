@@ -111,67 +111,67 @@ void test_non_finite(report & rep, ggml_type type) {
         ggml_type_name(type), num / den, bound);
 }
 
-void test_vec_dot(report & rep, ggml_type type, ggml_vec_dot_t generic) {
+void test_vec_dot(report & rep, ggml_type type, ggml_vec_dot_t generic, int n) {
     const auto * cpu = ggml_get_type_traits_cpu(type);
     const auto * q8  = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
-    const auto x = make_rows(dist::gaussian, 64, N, 99);
-    const auto y = make_rows(dist::student_t3, 64, N, 100);
+    const auto x = make_rows(dist::gaussian, 64, n, 99);
+    const auto y = make_rows(dist::student_t3, 64, n, 100);
 
     double max_simd = 0.0;
     double max_ref  = 0.0;
-    std::vector<uint8_t> qx(ggml_row_size(type, N));
-    std::vector<uint8_t> qy(ggml_row_size(GGML_TYPE_Q8_0, N));
-    std::vector<float> dx(N);
-    std::vector<float> dy(N);
+    std::vector<uint8_t> qx(ggml_row_size(type, n));
+    std::vector<uint8_t> qy(ggml_row_size(GGML_TYPE_Q8_0, n));
+    std::vector<float> dx(n);
+    std::vector<float> dy(n);
     for (int r = 0; r < 64; ++r) {
-        cpu->from_float(x.data() + r * N, qx.data(), N);
-        q8->from_float(y.data() + r * N, qy.data(), N);
-        ggml_get_type_traits(type)->to_float(qx.data(), dx.data(), N);
-        ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float(qy.data(), dy.data(), N);
+        cpu->from_float(x.data() + r * n, qx.data(), n);
+        q8->from_float(y.data() + r * n, qy.data(), n);
+        ggml_get_type_traits(type)->to_float(qx.data(), dx.data(), n);
+        ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float(qy.data(), dy.data(), n);
 
         float s_simd = 0.0f;
         float s_gen  = 0.0f;
-        cpu->vec_dot(N, &s_simd, 0, qx.data(), 0, qy.data(), 0, 1);
-        generic(N, &s_gen, 0, qx.data(), 0, qy.data(), 0, 1);
+        cpu->vec_dot(n, &s_simd, 0, qx.data(), 0, qy.data(), 0, 1);
+        generic(n, &s_gen, 0, qx.data(), 0, qy.data(), 0, 1);
 
         double ref = 0.0;
         double mag = 0.0;
-        for (int i = 0; i < N; ++i) {
+        for (int i = 0; i < n; ++i) {
             ref += (double) dx[i] * dy[i];
             mag += std::fabs((double) dx[i] * dy[i]);
         }
         max_simd = std::max(max_simd, std::fabs((double) s_simd - s_gen) / mag);
         max_ref  = std::max(max_ref,  std::fabs((double) s_gen - ref) / mag);
     }
-    rep.check(max_simd <= 1e-5, "%s vec_dot SIMD vs scalar: max rel diff %.2e <= 1e-5", ggml_type_name(type), max_simd);
-    rep.check(max_ref  <= 1e-5, "%s vec_dot scalar vs float dot of dequantized rows: max rel diff %.2e <= 1e-5", ggml_type_name(type), max_ref);
+    rep.check(max_simd <= 1e-5, "%s vec_dot SIMD vs scalar, rows of %d: max rel diff %.2e <= 1e-5", ggml_type_name(type), n, max_simd);
+    rep.check(max_ref  <= 1e-5, "%s vec_dot scalar vs float dot of dequantized rows of %d: max rel diff %.2e <= 1e-5", ggml_type_name(type), n, max_ref);
 }
 
 // The multi-row dot product (one kvc row, several q8_0 query rows) gives each row's vec_dot
 // bit for bit, SIMD against the dispatching vec_dot and the reference against the scalar one.
-void test_vec_dot_multi(report & rep, ggml_type type, ggml_vec_dot_t generic) {
+void test_vec_dot_multi(report & rep, ggml_type type, ggml_vec_dot_t generic, int n) {
     const auto * cpu = ggml_get_type_traits_cpu(type);
     const auto * q8  = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
-    const auto x = make_rows(dist::gaussian, 1, N, 41);
-    const auto y = make_rows(dist::student_t3, GGML_KVC_DOT_MULTI_MAX, N, 42);
-    const size_t by = ggml_row_size(GGML_TYPE_Q8_0, N);
-    std::vector<uint8_t> qx(ggml_row_size(type, N));
+    const auto x = make_rows(dist::gaussian, 1, n, 41);
+    const auto y = make_rows(dist::student_t3, GGML_KVC_DOT_MULTI_MAX, n, 42);
+    const size_t by = ggml_row_size(GGML_TYPE_Q8_0, n);
+    std::vector<uint8_t> qx(ggml_row_size(type, n));
     std::vector<uint8_t> qy(by * GGML_KVC_DOT_MULTI_MAX);
-    cpu->from_float(x.data(), qx.data(), N);
+    cpu->from_float(x.data(), qx.data(), n);
     q8->from_float(y.data(), qy.data(), (int64_t) y.size());
     for (int ny : { 1, 3, GGML_KVC_DOT_MULTI_MAX }) {
         float s_simd[GGML_KVC_DOT_MULTI_MAX], s_ref[GGML_KVC_DOT_MULTI_MAX];
-        ggml_kvc_cpu_get_vec_dot_multi(type, false)(N, s_simd, qx.data(), qy.data(), by, ny);
-        ggml_kvc_cpu_get_vec_dot_multi(type, true)(N, s_ref, qx.data(), qy.data(), by, ny);
+        ggml_kvc_cpu_get_vec_dot_multi(type, false)(n, s_simd, qx.data(), qy.data(), by, ny);
+        ggml_kvc_cpu_get_vec_dot_multi(type, true)(n, s_ref, qx.data(), qy.data(), by, ny);
         int n_same = 0;
         for (int g = 0; g < ny; ++g) {
             float e_simd = 0.0f, e_ref = 0.0f;
-            cpu->vec_dot(N, &e_simd, 0, qx.data(), 0, qy.data() + g * by, 0, 1);
-            generic(N, &e_ref, 0, qx.data(), 0, qy.data() + g * by, 0, 1);
+            cpu->vec_dot(n, &e_simd, 0, qx.data(), 0, qy.data() + g * by, 0, 1);
+            generic(n, &e_ref, 0, qx.data(), 0, qy.data() + g * by, 0, 1);
             n_same += std::memcmp(&e_simd, &s_simd[g], sizeof(float)) == 0 && std::memcmp(&e_ref, &s_ref[g], sizeof(float)) == 0;
         }
-        rep.check(n_same == ny, "%s vec_dot over %d query rows equals %d single vec_dots bit for bit (%d)",
-            ggml_type_name(type), ny, ny, n_same);
+        rep.check(n_same == ny, "%s vec_dot of rows of %d over %d query rows equals %d single vec_dots bit for bit (%d)",
+            ggml_type_name(type), n, ny, ny, n_same);
     }
 }
 
@@ -230,8 +230,11 @@ int main() {
         test_round_trip(rep, BOUNDS[i]);
         test_zero_rows(rep, t);
         test_non_finite(rep, t);
-        test_vec_dot(rep, t, generic[i]);
-        test_vec_dot_multi(rep, t, generic[i]);
+        // one chunk of blocks, several with a partial last one (kvc_vec_dot_multi_*_avx2)
+        for (int n : { N, 320, 1024 }) {
+            test_vec_dot(rep, t, generic[i], n);
+            test_vec_dot_multi(rep, t, generic[i], n);
+        }
         test_cpu_to_float(rep, t);
         test_cpu_from_float(rep, t);
     }
