@@ -57,13 +57,21 @@ static inline __m256i kvc_unpack_bit2_avx2(const uint8_t * q) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(b, bits), _mm256_set1_epi8(4));
 }
 
+// The levels as a shuffle table, loaded straight from the array: a copy through the stack (an
+// 8-byte store read back as 16 bytes) cannot be forwarded and stalled every row's conversion,
+// a third of kvc3's in a decode step.
 static inline __m256i kvc_lut_avx2(const int8_t * levels, int n) {
+    __m128i t;
     if (n == 16) {
-        return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) levels));
+        t = _mm_loadu_si128((const __m128i *) levels);
+    } else if (n == 8) {
+        t = _mm_loadl_epi64((const __m128i *) levels);
+    } else {
+        int32_t w;
+        memcpy(&w, levels, sizeof(w));
+        t = _mm_cvtsi32_si128(w);
     }
-    int8_t t[16] = { 0 };
-    memcpy(t, levels, n);
-    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) t));
+    return _mm256_broadcastsi128_si256(t);
 }
 
 // Level indices of one block, byte i = code of value i.
