@@ -36,6 +36,8 @@ class StepResult:
     max_ms_merge: float
     max_ms_no_merge: float
     ops: tuple[OpTime, ...] = ()
+    # steps that reused the previous step's graph (building one costs more than a small step)
+    n_reused: int = 0
 
     def op(self, name: str) -> OpTime | None:
         return next((o for o in self.ops if o.op == name), None)
@@ -52,7 +54,8 @@ def run_steps(cfg: KvConfig, model: Path, depth: int, n_gen: int, threads: int, 
                       float(r["max_ms"]), int(r["n_merge_steps"]), float(r["max_ms_merge"]),
                       float(r["max_ms_no_merge"]),
                       tuple(OpTime(name, float(t["us_per_step"]), float(t["us_per_node"]), float(t["nodes_per_step"]))
-                            for name, t in r.get("ops", {}).items()))
+                            for name, t in r.get("ops", {}).items()),
+                      int(r["n_reused"]))
 
 
 ATTENTION_OP = "FLASH_ATTN_EXT"

@@ -184,6 +184,13 @@ def test_steps_tool_sorts_steps_by_merges(model: Path) -> None:
     assert buffered.max_ms_merge > 0 and buffered.max_ms_no_merge > 0
 
 
+@pytest.mark.parametrize("config", ["f16", "low-latency", "balanced"])
+def test_steps_reuse_the_graph(model: Path, config: str) -> None:
+    # every decode step after the first reuses its graph: a mode's inputs change, not its graph
+    r = steps.run_steps(KvConfig.parse(config), model, depth=200, n_gen=12, threads=2)
+    assert r.n_reused >= r.n_gen - 1
+
+
 @pytest.mark.parametrize("config", ["f16", "kvc4"])
 def test_steps_tool_times_each_op(model: Path, config: str) -> None:
     r = steps.run_steps(KvConfig.parse(config), model, depth=200, n_gen=8, threads=2, ops=True)

@@ -244,7 +244,16 @@ void llama_kvcomp_tracker::fold(std::vector<update_stats> & win, const float * r
     u.hi2.assign(n_embd, -INFINITY);
     u.lo1.assign(n_embd, INFINITY);
     u.lo2.assign(n_embd, INFINITY);
-    for (uint32_t r = 0; r < n_rows; ++r) {
+    if (n_rows == 0) {
+        return;
+    }
+    // the first row is each channel's extreme both ways (a decode step's only row): a copy
+    for (int64_t i = 0; i < n_embd; ++i) {
+        const bool ok = std::isfinite(rows[i]);
+        u.hi1[i] = ok ? rows[i] : -INFINITY;
+        u.lo1[i] = ok ? rows[i] : INFINITY;
+    }
+    for (uint32_t r = 1; r < n_rows; ++r) {
         const float * x = rows + (size_t) r * n_embd;
         for (int64_t i = 0; i < n_embd; ++i) {
             if (!std::isfinite(x[i])) {
@@ -292,9 +301,23 @@ struct extreme_select {
             if (heap.size() == cap) {
                 // an update none of whose extremes passes the heap's front adds nothing; fold()
                 // keeps e1 at least as extreme as e2 and never NaN, so e1's extreme decides
-                float m = e1[i0];
-                for (int64_t i = i0 + 1; i < i1; ++i) {
-                    m = more_extreme(e1[i], m) ? e1[i] : m;
+                // in independent lanes: one chain of comparisons over a head's channels
+                // took most of a decode window's recompute
+                constexpr int64_t LANES = 8;
+                float ml[LANES];
+                std::fill(ml, ml + LANES, e1[i0]);
+                int64_t i = i0;
+                for (; i + LANES <= i1; i += LANES) {
+                    for (int64_t j = 0; j < LANES; ++j) {
+                        ml[j] = more_extreme(e1[i + j], ml[j]) ? e1[i + j] : ml[j];
+                    }
+                }
+                for (; i < i1; ++i) {
+                    ml[0] = more_extreme(e1[i], ml[0]) ? e1[i] : ml[0];
+                }
+                float m = ml[0];
+                for (int64_t j = 1; j < LANES; ++j) {
+                    m = more_extreme(ml[j], m) ? ml[j] : m;
                 }
                 if (!more_extreme(m, heap.front())) {
                     continue;

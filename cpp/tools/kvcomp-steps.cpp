@@ -117,6 +117,7 @@ int main(int argc, char ** argv) {
 
     std::vector<double> all, with_merge, without_merge;
     llama_kvcomp_stats st = {};
+    const int32_t reused_before = llama_perf_context(ctx).n_reused;
     const bool buffered = llama_kvcomp_get_stats(ctx, &st) == 0;
     for (int i = 0; i < n_gen; ++i) {
         const int64_t merges_before = st.n_merges;
@@ -140,6 +141,8 @@ int main(int argc, char ** argv) {
         (buffered && st.n_merges > merges_before ? with_merge : without_merge).push_back(ms);
     }
     llama_batch_free(batch);
+    // steps that reused the last graph: one built anew costs more than a small model's step
+    const int32_t n_reused = llama_perf_context(ctx).n_reused - reused_before;
 
     double mean = 0.0;
     for (double v : all) {
@@ -154,9 +157,10 @@ int main(int argc, char ** argv) {
         ops_json += buf;
     }
     printf("{\"depth\": %d, \"n_gen\": %d, \"buffered\": %s, \"slots\": %d, \"mean_ms\": %.4f, \"p50_ms\": %.4f, "
-           "\"max_ms\": %.4f, \"n_merge_steps\": %zu, \"max_ms_merge\": %.4f, \"max_ms_no_merge\": %.4f%s%s%s}\n",
+           "\"max_ms\": %.4f, \"n_merge_steps\": %zu, \"max_ms_merge\": %.4f, \"max_ms_no_merge\": %.4f, "
+           "\"n_reused\": %d%s%s%s}\n",
            depth, n_gen, buffered ? "true" : "false", buffered ? st.n_slots : 0, mean, percentile(all, 0.5),
-           percentile(all, 1.0), with_merge.size(), percentile(with_merge, 1.0), percentile(without_merge, 1.0),
+           percentile(all, 1.0), with_merge.size(), percentile(with_merge, 1.0), percentile(without_merge, 1.0), n_reused,
            ops ? ", \"ops\": {" : "", ops_json.c_str(), ops ? "}" : "");
     llama_backend_free();
     return 0;
