@@ -234,6 +234,7 @@ struct fa_shape {
     bool  sinks;
     bool  mask_per_head;
     const char * name;
+    int   win0 = 0, win = 0; // > 0: only keys [win0, win0 + win) visible, as in a sliding window's ring
 };
 
 // prefill-like: several queries, split by head; decode: one query over >= 512 cells, split
@@ -245,6 +246,10 @@ const fa_shape FA_PREFILL = { 5,    96, 4, 2, 2,  0.0f, false, false, "prefill" 
 const fa_shape FA_PREFILL_BLOCKS = { 40, 150, 4, 2, 3, 0.0f, false, false, "prefill, 2 blocks" };
 const fa_shape FA_DECODE  = { 1,  1000, 6, 2, 3,  0.0f, false, false, "decode" };
 const fa_shape FA_SOFTCAP = { 1,   700, 4, 1, 2, 30.0f, true,  true,  "decode+softcap+sinks" };
+// a sliding window's visible keys: inside the cells (its ring), and 5 keys at the start, which
+// leave the later threads' key ranges with nothing to attend besides the sinks
+const fa_shape FA_WINDOW       = { 1, 900, 4, 1, 3, 0.0f, true, false, "decode, window+sinks", 411, 200 };
+const fa_shape FA_WINDOW_START = { 1, 900, 4, 1, 3, 0.0f, true, false, "decode, window at 0+sinks", 0, 5 };
 
 void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_shape & sh = FA_PREFILL) {
     const int n_q = sh.n_q, n_kv = sh.n_kv, n_head = sh.n_head, n_head_kv = sh.n_head_kv;
@@ -260,7 +265,8 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_s
         for (int iq = 0; iq < n_q; ++iq) {
             for (int j = 0; j < n_kv; ++j) {
                 const bool causal_tail = j > n_kv - n_q + iq;
-                const bool hole = n_q == 1 && (j % 7 == 3 + h % 3 || j >= n_kv - 340 + 40 * h);
+                const bool hole = n_q == 1 && (sh.win > 0 ? j < sh.win0 || j >= sh.win0 + sh.win :
+                                                            j % 7 == 3 + h % 3 || j >= n_kv - 340 + 40 * h);
                 if (causal_tail || hole) {
                     mask[((size_t) h * n_q + iq) * n_kv + j] = -INFINITY;
                 }
@@ -599,6 +605,8 @@ int main() {
     for (int d : HEAD_DIM) {
         test_flash_attn(rep, GGML_TYPE_KVC4, GGML_TYPE_KVC4, d, FA_SOFTCAP);
         test_flash_attn(rep, GGML_TYPE_KVC8, GGML_TYPE_KVC4, d, FA_DECODE);
+        test_flash_attn(rep, GGML_TYPE_KVC4, GGML_TYPE_KVC4, d, FA_WINDOW);
+        test_flash_attn(rep, GGML_TYPE_KVC4, GGML_TYPE_KVC3, d, FA_WINDOW_START);
     }
     // the mixed pair the presets use, and a kvc K beside an upstream V
     for (int d : HEAD_DIM) {
