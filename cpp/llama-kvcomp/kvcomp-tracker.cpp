@@ -240,12 +240,20 @@ ggml_tensor * llama_kvcomp_tracker::unstore(ggml_context * ctx0, ggml_tensor * r
 void llama_kvcomp_tracker::fold(std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const {
     update_stats & u = win[n_updates % KVCOMP_WINDOW];
     u.n = n_rows;
-    u.hi1.assign(n_embd, -INFINITY);
-    u.hi2.assign(n_embd, -INFINITY);
-    u.lo1.assign(n_embd, INFINITY);
-    u.lo2.assign(n_embd, INFINITY);
+    // second extremes only where there is a second row: a decode step's update is half the
+    // memory the window's recompute walks
+    u.hi2.clear();
+    u.lo2.clear();
     if (n_rows == 0) {
+        u.hi1.assign(n_embd, -INFINITY);
+        u.lo1.assign(n_embd, INFINITY);
         return;
+    }
+    u.hi1.resize(n_embd);
+    u.lo1.resize(n_embd);
+    if (n_rows > 1) {
+        u.hi2.assign(n_embd, -INFINITY);
+        u.lo2.assign(n_embd, INFINITY);
     }
     // the first row is each channel's extreme both ways (a decode step's only row): a copy
     for (int64_t i = 0; i < n_embd; ++i) {
@@ -301,30 +309,19 @@ struct extreme_select {
             if (heap.size() == cap) {
                 // an update none of whose extremes passes the heap's front adds nothing; fold()
                 // keeps e1 at least as extreme as e2 and never NaN, so e1's extreme decides
-                // in independent lanes: one chain of comparisons over a head's channels
-                // took most of a decode window's recompute
-                constexpr int64_t LANES = 8;
-                float ml[LANES];
-                std::fill(ml, ml + LANES, e1[i0]);
-                int64_t i = i0;
-                for (; i + LANES <= i1; i += LANES) {
-                    for (int64_t j = 0; j < LANES; ++j) {
-                        ml[j] = more_extreme(e1[i + j], ml[j]) ? e1[i + j] : ml[j];
-                    }
-                }
-                for (; i < i1; ++i) {
-                    ml[0] = more_extreme(e1[i], ml[0]) ? e1[i] : ml[0];
-                }
-                float m = ml[0];
-                for (int64_t j = 1; j < LANES; ++j) {
-                    m = more_extreme(ml[j], m) ? ml[j] : m;
+                float m = e1[i0];
+                for (int64_t i = i0 + 1; i < i1; ++i) {
+                    m = more_extreme(e1[i], m) ? e1[i] : m;
                 }
                 if (!more_extreme(m, heap.front())) {
                     continue;
                 }
             }
+            // an update of one row has no second extremes (fold() keeps none)
+            const int n_e = e2.empty() ? 1 : 2;
             for (int64_t i = i0; i < i1; ++i) {
-                for (float v : { e1[i], e2[i] }) {
+                for (int k = 0; k < n_e; ++k) {
+                    const float v = k == 0 ? e1[i] : e2[i];
                     if (!std::isfinite(v)) {
                         continue;
                     }
