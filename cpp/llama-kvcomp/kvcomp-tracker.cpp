@@ -309,9 +309,23 @@ struct extreme_select {
             if (heap.size() == cap) {
                 // an update none of whose extremes passes the heap's front adds nothing; fold()
                 // keeps e1 at least as extreme as e2 and never NaN, so e1's extreme decides
-                float m = e1[i0];
-                for (int64_t i = i0 + 1; i < i1; ++i) {
-                    m = more_extreme(e1[i], m) ? e1[i] : m;
+                // eight running extremes side by side: one chain of comparisons over a head's
+                // channels waited on each comparison (a tenth of a decode window's recompute)
+                constexpr int64_t LANES = 8;
+                float ml[LANES];
+                std::fill(ml, ml + LANES, e1[i0]);
+                int64_t i = i0;
+                for (; i + LANES <= i1; i += LANES) {
+                    for (int64_t j = 0; j < LANES; ++j) {
+                        ml[j] = more_extreme(e1[i + j], ml[j]) ? e1[i + j] : ml[j];
+                    }
+                }
+                for (; i < i1; ++i) {
+                    ml[0] = more_extreme(e1[i], ml[0]) ? e1[i] : ml[0];
+                }
+                float m = ml[0];
+                for (int64_t j = 1; j < LANES; ++j) {
+                    m = more_extreme(ml[j], m) ? ml[j] : m;
                 }
                 if (!more_extreme(m, heap.front())) {
                     continue;
