@@ -55,6 +55,12 @@ GGML_BACKEND_API bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_para
 // prompt's K tiles, converted once for all of its blocks of query tokens (0 for any other node).
 GGML_BACKEND_API size_t ggml_kvc_cpu_flash_attn_ext_work_size(const struct ggml_tensor * dst);
 
+// MUL_MAT hinted GGML_HINT_SRC0_IS_HADAMARD (upstream's rotation of Q, K and V around a
+// quantized cache), kvc-fwht.c: the rows with AVX-512 where the build has it, upstream's floats
+// bit for bit. Returns false, having done nothing, where it does not apply (upstream's FWHT
+// runs it).
+GGML_BACKEND_API bool ggml_kvc_cpu_fwht(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+
 // SET_ROWS into a kvc cache, kvc-set-rows.c: the blocks of all rows are split over the
 // threads (one new row per stream is a decode step's write). Returns false, having done
 // nothing, for any other destination type. ggml_kvc_cpu_n_tasks gives such a node every

@@ -485,6 +485,71 @@ void test_exact_support(report & rep) {
 }
 
 // K with flash attention off: kq = K^T q through MUL_MAT with q converted to q8_0.
+// Upstream's rotation of Q, K and V (MUL_MAT hinted as a Hadamard matrix; ggml_kvc_cpu_fwht
+// with AVX-512): upstream's floats bit for bit (its stages in its order, in float), and the
+// transform itself in double.
+void test_hadamard_rotation(report & rep) {
+    for (int n : { 8, 16, 64, 128, 256 }) {
+        for (ggml_type ts : { GGML_TYPE_F32, GGML_TYPE_F16 }) {
+            for (int n_threads : { 1, 3 }) {
+                const int n_rows = 7;
+                graph_ctx g(16 * 1024 * 1024);
+                auto x = make_rows(dist::student_t3, n_rows, n, 61 + n);
+                if (ts == GGML_TYPE_F16) {
+                    for (float & v : x) {
+                        v = ggml_fp16_to_fp32(ggml_fp32_to_fp16(v));
+                    }
+                }
+                ggml_tensor * h  = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F32, n, n);
+                ggml_tensor * tx = ggml_new_tensor_2d(g.ctx, ts, n, n_rows);
+                memset(h->data, 0, ggml_nbytes(h));
+                for (size_t i = 0; i < x.size(); ++i) {
+                    if (ts == GGML_TYPE_F16) {
+                        ((ggml_fp16_t *) tx->data)[i] = ggml_fp32_to_fp16(x[i]);
+                    } else {
+                        ((float *) tx->data)[i] = x[i];
+                    }
+                }
+                ggml_tensor * out = ggml_mul_mat(g.ctx, h, tx);
+                ggml_mul_mat_set_hint(out, GGML_HINT_SRC0_IS_HADAMARD);
+                g.compute(out, n_threads);
+
+                std::vector<float> ref(x.size());
+                std::vector<double> exact(x.size());
+                const float scale = 1.0f / std::sqrt((float) n);
+                for (int r = 0; r < n_rows; ++r) {
+                    float * y = ref.data() + (size_t) r * n;
+                    for (int j = 0; j < n; ++j) {
+                        y[j] = x[(size_t) r * n + j] * scale;
+                    }
+                    for (int len = 1; len < n; len <<= 1) {
+                        for (int i = 0; i < n; i += 2 * len) {
+                            for (int j = i; j < i + len; ++j) {
+                                const float u = y[j], v = y[j + len];
+                                y[j]       = u + v;
+                                y[j + len] = u - v;
+                            }
+                        }
+                    }
+                    for (int i = 0; i < n; ++i) {
+                        double a = 0.0;
+                        for (int j = 0; j < n; ++j) {
+                            a += (__builtin_popcount(i & j) % 2 ? -1.0 : 1.0) * x[(size_t) r * n + j];
+                        }
+                        exact[(size_t) r * n + i] = a / std::sqrt((double) n);
+                    }
+                }
+                const float * got = (const float *) out->data;
+                std::vector<float> exact_f(exact.begin(), exact.end());
+                const double e = nmse(got, exact_f.data(), exact_f.size());
+                rep.check(memcmp(got, ref.data(), ref.size() * sizeof(float)) == 0 && e <= 1e-12,
+                          "MUL_MAT Hadamard n=%3d from %s, %d threads: upstream's floats bit for bit, nmse %.1e to the "
+                          "transform in double <= 1e-12", n, ggml_type_name(ts), n_threads, e);
+            }
+        }
+    }
+}
+
 void test_mul_mat(report & rep, ggml_type type, int d) {
     const int n_kv = 40, n_q = 3;
     graph_ctx g(64 * 1024 * 1024);
@@ -592,6 +657,7 @@ int main() {
     ggml_cpu_init();
     report rep;
 
+    test_hadamard_rotation(rep);
     for (ggml_type t : TYPES) {
         for (int d : HEAD_DIM) {
             test_set_get_rows(rep, t, d);
