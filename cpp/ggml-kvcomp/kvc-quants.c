@@ -64,7 +64,9 @@ static uint8_t kvc_quantize_sub(const kvc_codebook * cb, const float * x, int n,
     float amax = 0.0f;
     for (int i = 0; i < n; ++i) {
         v[i] = kvc_finite_or_zero(x[i]);
-        amax = fmaxf(amax, fabsf(v[i]));
+        // v is finite: fmaxf's NaN rule, which cost a call per value, never applies
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
     }
     if (amax == 0.0f) {
         memset(codes, cb->zero_code, n);
