@@ -41,6 +41,18 @@ static inline float kvc_finite_or_zero(float v) {
     return isfinite(v) ? v : 0.0f;
 }
 
+// v = x with non-finite values zeroed; returns the largest magnitude. v is finite, so the
+// comparison needs none of fmaxf's NaN rule, which cost a call per value.
+static inline float kvc_finite_amax(const float * x, float * v, int n) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        v[i] = kvc_finite_or_zero(x[i]);
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
 // The reference kvc_sub_errors_t. Products and sums are rounded one at a time (no fused
 // multiply-add), the rounding the SIMD versions reproduce.
 KVC_NO_FP_CONTRACT
@@ -61,13 +73,7 @@ static void kvc_sub_errors_ref(const kvc_codebook * cb, const float * v, int n, 
 // 8-bit step codes, and writes the codes of the chosen step.
 static uint8_t kvc_quantize_sub(const kvc_codebook * cb, const float * x, int n, uint8_t * codes, kvc_sub_errors_t errors) {
     float v[QK_KVC_SUB];
-    float amax = 0.0f;
-    for (int i = 0; i < n; ++i) {
-        v[i] = kvc_finite_or_zero(x[i]);
-        // v is finite: fmaxf's NaN rule, which cost a call per value, never applies
-        const float a = fabsf(v[i]);
-        amax = a > amax ? a : amax;
-    }
+    const float amax = kvc_finite_amax(x, v, n);
     if (amax == 0.0f) {
         memset(codes, cb->zero_code, n);
         return 0;
@@ -120,11 +126,7 @@ void quantize_row_kvc8_ref(const float * GGML_RESTRICT x, block_kvc8 * GGML_REST
 
     for (int64_t b = 0; b < nb; ++b) {
         float v[QK_KVC];
-        float amax = 0.0f;
-        for (int i = 0; i < QK_KVC; ++i) {
-            v[i] = kvc_finite_or_zero(x[b * QK_KVC + i]);
-            amax = fmaxf(amax, fabsf(v[i]));
-        }
+        const float amax = kvc_finite_amax(x + b * QK_KVC, v, QK_KVC);
 
         // The candidates include q8_0's absmax step, so the error is never above q8_0's;
         // the search only pays off on blocks with an isolated large value.
