@@ -16,6 +16,7 @@ from typing import Any
 from .calibrate import kv_args
 from .kvtypes import BITS_PER_ELEMENT, KvConfig
 from .paths import binary
+from .perplexity import parse_bpe_k
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,10 @@ def _run_tool(args: Sequence[str], what: str) -> tuple[str, str, float]:
     return out, err, usage.ru_maxrss / 1024.0
 
 
-def kv_bpe(cfg: KvConfig, mem: Memory) -> float:
-    """Bits per KV element with the residual buffer amortized over the cache's cells."""
-    main_bpe = (BITS_PER_ELEMENT[cfg.type_k] + BITS_PER_ELEMENT[cfg.type_v]) / 2
+def kv_bpe(cfg: KvConfig, mem: Memory, log: str = "") -> float:
+    """Bits per KV element with the residual buffer amortized over the cache's cells (K's per
+    layer from the tool's log when it names them)."""
+    main_bpe = (parse_bpe_k(log, cfg.type_k) + BITS_PER_ELEMENT[cfg.type_v]) / 2
     return main_bpe * (1 + mem.kv_buffer_mib / mem.kv_main_mib) if mem.kv_main_mib > 0 else main_bpe
 
 
@@ -99,7 +101,7 @@ def run_bench(cfg: KvConfig, model: Path, depths: Sequence[int], n_gen: int, thr
     ]
     out, err, rss = _run_tool(args, cfg.label)
     mem = parse_memory(err, rss)
-    bpe = kv_bpe(cfg, mem)
+    bpe = kv_bpe(cfg, mem, err)
     return [
         BenchResult(cfg.label, int(r["n_depth"]), int(r["n_gen"]), float(r["avg_ts"]), float(r["stddev_ts"]),
                     bpe, mem.weights_mib, mem.kv_main_mib, mem.kv_buffer_mib, mem.compute_mib, mem.peak_rss_mib,
@@ -192,7 +194,7 @@ def run_parallel(cfg: KvConfig, model: Path, depths: Sequence[int], n_gen: int, 
     streams, cells = parse_streams(err)
     return [
         ParallelResult(cfg.label, n_parallel, d, n_gen, float(rows[d]["speed_tg"]), float(rows[d]["speed_pp"]),
-                       kv_bpe(cfg, mem), streams, cells, mem.weights_mib, mem.kv_main_mib, mem.kv_buffer_mib,
+                       kv_bpe(cfg, mem, err), streams, cells, mem.weights_mib, mem.kv_main_mib, mem.kv_buffer_mib,
                        mem.compute_mib, mem.compute_end_mib, mem.peak_rss_mib)
         for d in sorted(depths)
     ]

@@ -11,6 +11,9 @@ from .paths import bin_dir
 
 ModeName = Literal["off", "low-latency", "balanced", "high-precision"]
 MODE_NAMES: tuple[str, ...] = get_args(ModeName)
+# per-layer K rules (enum llama_kvcomp_k_layers), in its order
+KLayersName = Literal["same", "edges"]
+K_LAYERS_NAMES: tuple[str, ...] = get_args(KLayersName)
 
 
 class LlamaKvcompParams(ctypes.Structure):
@@ -80,6 +83,7 @@ class ModePreset:
     pin_budget: float
     tracker: bool
     type_k_stats: str = ""  # K when the model's K statistics are loaded ("" for a running context)
+    k_layers: str = "same"  # the per-layer K rule with them (K_LAYERS_NAMES)
 
 
 @cache
@@ -100,6 +104,17 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     # int32_t llama_kvcomp_mode_type_k_stats(int32_t mode);
     llama.llama_kvcomp_mode_type_k_stats.argtypes = [ctypes.c_int32]
     llama.llama_kvcomp_mode_type_k_stats.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_mode_k_layers(int32_t mode);
+    llama.llama_kvcomp_mode_k_layers.argtypes = [ctypes.c_int32]
+    llama.llama_kvcomp_mode_k_layers.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_set_k_layers(int32_t rule); int32_t llama_kvcomp_get_k_layers(void);
+    llama.llama_kvcomp_set_k_layers.argtypes = [ctypes.c_int32]
+    llama.llama_kvcomp_set_k_layers.restype = ctypes.c_int32
+    llama.llama_kvcomp_get_k_layers.argtypes = []
+    llama.llama_kvcomp_get_k_layers.restype = ctypes.c_int32
+    # enum ggml_type llama_kvcomp_layer_type_k(int32_t rule, int32_t il, int32_t n_layer, enum ggml_type type_k);
+    llama.llama_kvcomp_layer_type_k.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int]
+    llama.llama_kvcomp_layer_type_k.restype = ctypes.c_int
     # const char * ggml_type_name(enum ggml_type type);
     base.ggml_type_name.argtypes = [ctypes.c_int]
     base.ggml_type_name.restype = ctypes.c_char_p
@@ -203,4 +218,23 @@ def mode_preset(mode: ModeName) -> ModePreset:
         mode=mode, type_k=type_name(tk.value), type_v=type_name(tv.value),
         window=p.window, sinks=p.sinks, merge_interval=p.merge_interval, pin_threshold=round(p.pin_threshold, 6),
         pin_budget=round(p.pin_budget, 6), tracker=bool(p.tracker),
-        type_k_stats=type_name(lib().llama_kvcomp_mode_type_k_stats(m)))
+        type_k_stats=type_name(lib().llama_kvcomp_mode_type_k_stats(m)),
+        k_layers=K_LAYERS_NAMES[lib().llama_kvcomp_mode_k_layers(m)])
+
+
+def set_k_layers(rule: KLayersName) -> None:
+    """Sets the per-layer K rule of the contexts created from now on (process-wide)."""
+    if rule not in K_LAYERS_NAMES or lib().llama_kvcomp_set_k_layers(K_LAYERS_NAMES.index(rule)) != 0:
+        raise ValueError(f"unknown per-layer K rule {rule!r}; known: {', '.join(K_LAYERS_NAMES)}")
+
+
+def get_k_layers() -> KLayersName:
+    """The per-layer K rule that a context created now gets."""
+    name: KLayersName = K_LAYERS_NAMES[lib().llama_kvcomp_get_k_layers()]
+    return name
+
+
+def layer_types_k(rule: KLayersName, n_layer: int, type_k: str) -> list[str]:
+    """The K type of each of n_layer layers under rule in a context whose K type is type_k."""
+    r = K_LAYERS_NAMES.index(rule)
+    return [type_name(lib().llama_kvcomp_layer_type_k(r, il, n_layer, type_id(type_k))) for il in range(n_layer)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from .capi import MODE_NAMES, ModeName, mode_preset
+from .capi import K_LAYERS_NAMES, MODE_NAMES, ModeName, layer_types_k, mode_preset
 
 UpstreamType = Literal["f16", "q8_0", "q4_0", "iq4_nl"]
 KvcType = Literal["kvc8", "kvc4", "kvc3", "kvc2"]
@@ -35,6 +35,7 @@ KNOBS: dict[str, tuple[str, str]] = {
     "t": ("tracker", "--kv-comp-tracker"),
     "m": ("monitor", "--kv-comp-monitor"),
     "k": ("kstats", ""),  # 1: the model's K statistics loaded, a mode's K its type for them (no flag of its own)
+    "l": ("k_layers", "--kv-comp-k-layers"),  # per-layer K rule: 0 same, 1 edges (K_LAYERS_NAMES)
 }
 
 
@@ -53,6 +54,7 @@ class KvConfig:
     mode: ModeName | None = None  # --kv-comp; the knobs above then start from its preset
     monitor: int = 1  # --kv-comp-monitor (on with kvcomp; 0 off)
     kstats: int = 0  # 1: a mode with the model's K statistics (--kv-comp-kstats), K its type for them
+    k_layers: int = 0  # --kv-comp-k-layers: index in K_LAYERS_NAMES (a mode with kstats: its rule)
 
     def __post_init__(self) -> None:
         for t in (self.type_k, self.type_v):
@@ -66,6 +68,9 @@ class KvConfig:
             raise ValueError("the merge interval must be >= 1")
         if self.pin_threshold < 0 or not 0 <= self.pin_budget <= 100:
             raise ValueError("the pin threshold must be >= 0 and the pin budget in [0, 100]")
+        if self.k_layers not in range(len(K_LAYERS_NAMES)):
+            rules = ", ".join(f"{i} ({n})" for i, n in enumerate(K_LAYERS_NAMES))
+            raise ValueError(f"the per-layer K rule is one of {rules}")
         if self.tracker not in (0, 1) or self.monitor not in (0, 1) or self.kstats not in (0, 1):
             raise ValueError("the tracker, the monitor and the K statistics are 1 (on) or 0 (off)")
         if self.kstats and self.mode is None:
@@ -79,7 +84,7 @@ class KvConfig:
             return KvConfig(self.type_k, self.type_v)
         p = mode_preset(self.mode)
         return KvConfig(p.type_k, p.type_v, p.window, p.sinks, p.merge_interval, p.pin_threshold, p.pin_budget,
-                        int(p.tracker), self.mode)
+                        int(p.tracker), self.mode, k_layers=K_LAYERS_NAMES.index(p.k_layers) if self.kstats else 0)
 
     def _knobs(self) -> list[tuple[str, str, float]]:
         """(letter, flag, value) of every knob that differs from its base."""
@@ -134,7 +139,7 @@ class KvConfig:
                 raise ValueError(f"bad knob {knob!r} in {spec!r}: expected one of "
                                  f"{', '.join(letter + '<N>' for letter in KNOBS)}")
             field = KNOBS[letter][0]
-            if field in ("window", "sinks", "merge_interval", "tracker", "monitor", "kstats"):
+            if field in ("window", "sinks", "merge_interval", "tracker", "monitor", "kstats", "k_layers"):
                 if not text.isdigit():
                     raise ValueError(f"bad knob {knob!r} in {spec!r}: {field} takes a whole number")
                 values[field] = int(text)
@@ -142,8 +147,14 @@ class KvConfig:
                 values[field] = value
         cfg = replace(base, **values)  # type: ignore[arg-type]
         if cfg.kstats and cfg.mode is not None:
-            cfg = replace(cfg, type_k=mode_preset(cfg.mode).type_k_stats)
+            p = mode_preset(cfg.mode)
+            rule = int(values.get("k_layers", K_LAYERS_NAMES.index(p.k_layers)))
+            cfg = replace(cfg, type_k=p.type_k_stats, k_layers=rule)
         return cfg
+
+    def types_k(self, n_layer: int) -> list[str]:
+        """The K type of each layer of an n_layer model under this configuration."""
+        return layer_types_k(K_LAYERS_NAMES[self.k_layers], n_layer, self.type_k)  # type: ignore[arg-type]
 
 
 # The side-by-side set of the foundation run: upstream references first.

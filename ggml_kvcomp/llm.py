@@ -17,15 +17,18 @@ from typing import TYPE_CHECKING, Any
 from .capi import (
     LLAMA_KVCOMP_FORMAT_JSON,
     LLAMA_KVCOMP_FORMAT_PROMETHEUS,
+    KLayersName,
     LlamaKvcompParams,
     LlamaKvcompStats,
     ModeName,
     ModePreset,
+    get_k_layers,
     last_error,
     lib,
     mode_id,
     mode_name,
     mode_preset,
+    set_k_layers,
     type_id,
     type_name,
 )
@@ -82,14 +85,23 @@ def new_llama(model: str | Path, type_k: str, type_v: str, *, n_ctx: int = 2048,
 
 
 def open_llama(model: str | Path, mode: ModeName = "balanced", *, n_ctx: int = 2048, n_threads: int = 2,
-               kstats: str | Path | None = None, **knobs: float) -> llama_cpp.Llama:
+               kstats: str | Path | None = None, k_layers: KLayersName | None = None,
+               **knobs: float) -> llama_cpp.Llama:
     """A llama_cpp.Llama whose KV cache runs `mode`: its K/V types, flash attention, and its
     knobs, of which `knobs` (window, sinks, merge_interval, merge_at, pin_threshold,
     pin_budget, tracker) override single ones. With `kstats` (the model's K statistics,
-    `kvcomp calibrate`), K takes the mode's type for them (kvct4 for low-latency and balanced)."""
+    `kvcomp calibrate`), K takes the mode's type for them (kvct4 for low-latency and balanced)
+    and the mode's per-layer K rule (balanced: "edges"), or `k_layers`."""
     preset = mode_preset(mode)
     type_k = preset.type_k_stats if kstats is not None else preset.type_k
-    llm = new_llama(model, type_k, preset.type_v, n_ctx=n_ctx, n_threads=n_threads)
+    rule: KLayersName = k_layers or (preset.k_layers if kstats is not None else "same")  # type: ignore[assignment]
+    # the rule is process-wide and read when the context is made: set for this one only
+    before = get_k_layers()
+    set_k_layers(rule)
+    try:
+        llm = new_llama(model, type_k, preset.type_v, n_ctx=n_ctx, n_threads=n_threads)
+    finally:
+        set_k_layers(before)
     if kstats is not None:
         set_k_stats(llm, kstats)
     configure(llm, mode, **knobs)

@@ -44,7 +44,9 @@ def prompt(filler: str, depth: float, n_chars: int) -> str:
 
 def _open(cfg: KvConfig, model: Path, n_ctx: int, threads: int) -> Any:
     m = llm.new_llama(model, cfg.type_k, cfg.type_v, n_ctx=n_ctx, n_threads=threads)
-    knobs = {KNOBS[letter][0]: value for letter, _, value in cfg._knobs() if KNOBS[letter][0] != "monitor"}
+    # the monitor and the per-layer K rule are no knobs of llama_kvcomp_configure
+    knobs = {KNOBS[letter][0]: value for letter, _, value in cfg._knobs()
+             if KNOBS[letter][0] not in ("monitor", "k_layers")}
     if cfg.mode is not None or knobs:
         llm.configure(m, cfg.mode or "off", **knobs)
     return m

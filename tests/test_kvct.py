@@ -6,9 +6,10 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from ggml_kvcomp import calibrate, llm, models
+from ggml_kvcomp import calibrate, capi, llm, models
 from ggml_kvcomp.cli import main as kvcomp_main
 from ggml_kvcomp.kvtypes import KvConfig
 from ggml_kvcomp.perplexity import RunSettings, run_kld
@@ -107,3 +108,67 @@ def test_server_shifts_a_kvct_cache(bins: Path, model: Path, tmp_path: Path) -> 
         assert restored["n_restored"] == saved["n_saved"]
         status, _ = get(f"{url}/health")
         assert status == 200
+
+
+@pytest.mark.parametrize("n_layer", [1, 6, 18, 30, 31])
+@pytest.mark.parametrize("type_k", ["kvct4", "kvct3", "kvc4"])
+def test_edges_rule_takes_the_first_layer_and_the_last_sixth(n_layer: int, type_k: str) -> None:
+    # the rule as docs/kv-rows.md states it: the first layer and ceil(n_layer / 6) last ones
+    low = {0} | set(range(n_layer - -(-n_layer // 6), n_layer))
+    want = [("kvct3" if il in low and type_k == "kvct4" else type_k) for il in range(n_layer)]
+    assert capi.layer_types_k("edges", n_layer, type_k) == want
+    assert capi.layer_types_k("same", n_layer, type_k) == [type_k] * n_layer
+
+
+def test_modes_take_their_k_layer_rule() -> None:
+    rules = {m: capi.mode_preset(m).k_layers for m in capi.MODE_NAMES}  # type: ignore[arg-type]
+    assert rules == {"off": "same", "low-latency": "same", "balanced": "edges", "high-precision": "same"}
+    cfg = KvConfig.parse("balanced:k1")
+    assert (cfg.label, cfg.k_layers, cfg.tool_args()[-2:]) == ("balanced:k1", 1, ["--kv-comp", "balanced"])
+    same = KvConfig.parse("balanced:k1:l0")
+    assert (same.label, same.tool_args()[-2:]) == ("balanced:k1:l0", ["--kv-comp-k-layers", "0"])
+    assert KvConfig.parse("balanced").k_layers == 0
+    assert KvConfig.parse("kvct4/kvc3:l1").types_k(6) == ["kvct3", "kvct4", "kvct4", "kvct4", "kvct4", "kvct3"]
+    with pytest.raises(ValueError, match="per-layer K rule"):
+        KvConfig.parse("balanced:k1:l2")
+    with pytest.raises(ValueError, match="unknown per-layer K rule"):
+        capi.set_k_layers("middle")  # type: ignore[arg-type]
+
+
+def test_balanced_with_statistics_codes_the_edge_layers_with_fewer_bits(bins: Path, model: Path, text: Path) -> None:
+    # the tools take the mode's rule with the statistics (the log names each layer's type),
+    # and an explicit rule overrides it; the KLD bound is loose (measured +0-5%, docs/kv-rows.md)
+    s = RunSettings(model=model, corpus=text, ctx=256, chunks=2)
+    edges = run_kld(KvConfig.parse("balanced:k1"), s)
+    same = run_kld(KvConfig.parse("balanced:k1:l0"), s)
+    n_layer = 30
+    assert edges.bpe_k == pytest.approx(4.5 - 6 / n_layer) and same.bpe_k == 4.5
+    assert edges.bpe < same.bpe
+    assert edges.kld_mean < 1.5 * same.kld_mean, (edges.kld_mean, same.kld_mean)
+    kstats = str(calibrate.ensure_kstats(model))
+    proc = _perplexity(bins, model, text, "--kv-comp", "balanced", "--kv-comp-kstats", kstats,
+                       "--kv-comp-k-layers", "middle")
+    assert proc.returncode != 0 and "unknown rule 'middle'" in proc.stdout + proc.stderr
+
+
+def test_state_of_other_k_layers_is_refused(model: Path) -> None:
+    # a state saved with per-layer K types loads into a context of the same types with the same
+    # logits, and is refused by one whose layers differ (upstream's per-layer type check)
+    kstats = calibrate.ensure_kstats(model)
+    prompt = b"The cache holds the keys of every token, and"
+    a = llm.open_llama(model, "balanced", n_ctx=256, kstats=kstats)
+    assert capi.get_k_layers() == "same"  # set for that context only
+    a.eval(a.tokenize(prompt))
+    state = a.save_state()
+    want = np.array(a.eval_logits[-1])
+    b = llm.open_llama(model, "balanced", n_ctx=256, kstats=kstats)
+    llm.load_state(b, state)
+    assert np.array_equal(np.array(b.eval_logits[-1]), want)
+    b.eval(b.tokenize(b" more"))
+    a.eval(a.tokenize(b" more"))
+    assert np.max(np.abs(np.array(b.eval_logits[-1]) - np.array(a.eval_logits[-1]))) < 1e-4
+    c = llm.open_llama(model, "balanced", n_ctx=256, kstats=kstats, k_layers="same")
+    with pytest.raises(llm.StateError):
+        llm.load_state(c, state)
+    for m in (a, b, c):
+        m.close()

@@ -1179,6 +1179,19 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
     return 0;
 }
 
+void llama_kvcomp_buffer::cache_types(const llama_kv_cache & kv, ggml_type & type_k, ggml_type & type_v) {
+    size_t best = 0;
+    type_k = kv.layers[0].k->type;
+    for (const auto & l : kv.layers) {
+        const size_t n = std::count_if(kv.layers.begin(), kv.layers.end(), [&](const auto & o) { return o.k->type == l.k->type; });
+        if (n > best) {
+            best   = n;
+            type_k = l.k->type;
+        }
+    }
+    type_v = kv.layers[0].v->type;
+}
+
 int32_t llama_kvcomp_buffer::set_k_stats(llama_kv_cache & kv, const std::shared_ptr<llama_kvcomp_kstats> & stats, uint32_t n_ubatch,
                                          uint32_t n_seq_max) {
     const ggml_type type_k = kv.layers[0].k->type;
@@ -1221,8 +1234,12 @@ int32_t llama_kvcomp_buffer::set_k_stats(llama_kv_cache & kv, const std::shared_
     for (const auto & l : kv.layers) {
         k_bytes += ggml_nbytes(l.k);
     }
-    LLAMA_LOG_INFO("kvcomp: %s K plans of %zu layers from '%s' (%llu tokens of %s): %.2f MiB beside %.2f MiB of K rows\n",
-                   ggml_type_name(type_k), kv.layers.size(), stats->path.c_str(), (unsigned long long) stats->n_tokens,
+    std::string types;
+    for (const auto & l : kv.layers) {
+        types += std::string(types.empty() ? "" : ",") + ggml_type_name(l.k->type);
+    }
+    LLAMA_LOG_INFO("kvcomp: K plans of %zu layers (%s) from '%s' (%llu tokens of %s): %.2f MiB beside %.2f MiB of K rows\n",
+                   kv.layers.size(), types.c_str(), stats->path.c_str(), (unsigned long long) stats->n_tokens,
                    stats->arch.c_str(), plans->nbytes() / (1024.0 * 1024.0), k_bytes / (1024.0 * 1024.0));
     return 0;
 }

@@ -41,10 +41,8 @@ struct llama_kvcomp_buffer {
     // llama_kvcomp_configure on one cache; same return codes
     static int32_t attach(llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max);
 
-    static void cache_types(const llama_kv_cache & kv, ggml_type & type_k, ggml_type & type_v) {
-        type_k = kv.layers[0].k->type;
-        type_v = kv.layers[0].v->type;
-    }
+    // K: the type most layers have (llama_kvcomp_set_k_layers may give some layers another)
+    static void cache_types(const llama_kv_cache & kv, ggml_type & type_k, ggml_type & type_v);
 
     // the context's monitor (kvcomp-monitor.h), told of every ubatch of this cache
     std::shared_ptr<llama_kvcomp_monitor> monitor;

@@ -54,6 +54,26 @@ static std::string & kvcomp_kstats_path() {
     return path;
 }
 
+// --kv-comp-k-layers RULE (-1: the mode's rule with K statistics, else same)
+static int32_t & kvcomp_k_layers_flag() {
+    static int32_t rule = -1;
+    return rule;
+}
+
+// The per-layer K rule of the contexts these params make: the flag's, else a mode's when its K
+// statistics are given and K is its type for them. It is process-wide (llama_kvcomp_set_k_layers),
+// so it is set before the context is made.
+static void kvcomp_apply_k_layers(const common_params & params, ggml_type type_k) {
+    int32_t rule = kvcomp_k_layers_flag();
+    if (rule < 0) {
+        const int32_t mode = params.kvcomp.mode;
+        const bool preset = mode != LLAMA_KVCOMP_MODE_OFF && mode != LLAMA_KVCOMP_MODE_CUSTOM;
+        rule = preset && !kvcomp_kstats_path().empty() && type_k == (ggml_type) llama_kvcomp_mode_type_k_stats(mode) ?
+            llama_kvcomp_mode_k_layers(mode) : LLAMA_KVCOMP_K_LAYERS_SAME;
+    }
+    llama_kvcomp_set_k_layers(rule);
+}
+
 // whether the K type in the params is a mode's (not given with -ctk), so K statistics given
 // after the mode may still upgrade it
 static bool & kvcomp_k_from_mode() {
@@ -217,6 +237,19 @@ std::vector<common_arg> common_kvcomp_args() {
         }
     ).set_env("LLAMA_ARG_KV_COMP_KSTATS"));
     args.push_back(common_arg(
+        {"--kv-comp-k-layers"}, "RULE",
+        "kvcomp: per-layer K types: 'same' (every layer the -ctk type) or 'edges' (a kvct4 K cache stores its first "
+        "layer and the last sixth of its layers as kvct3: 0.2 bits less K for a measured +0-5% KLD, docs/kv-rows.md); "
+        "default: edges for --kv-comp balanced with --kv-comp-kstats, same otherwise",
+        [](common_params &, const std::string & value) {
+            const int32_t rule = llama_kvcomp_k_layers_from_name(value.c_str());
+            if (rule < 0) {
+                throw std::invalid_argument("--kv-comp-k-layers: unknown rule '" + value + "' (same, edges)");
+            }
+            kvcomp_k_layers_flag() = rule;
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_K_LAYERS"));
+    args.push_back(common_arg(
         {"--kv-comp-window"}, "W",
         "kvcomp residual buffer: the newest W positions stay exact (F16) for every query (default: 0, off; "
         "needs -fa on; on an f16/f32 cache, which is exact already, it stays off)",
@@ -374,6 +407,7 @@ static void kvcomp_log_config(const llama_kvcomp_params & p, ggml_type type_k, g
 }
 
 bool common_kvcomp_check(const common_params & params) {
+    kvcomp_apply_k_layers(params, params.cache_type_k);
     const llama_kvcomp_params & p = params.kvcomp;
     const bool preset = p.mode != LLAMA_KVCOMP_MODE_OFF && p.mode != LLAMA_KVCOMP_MODE_CUSTOM;
     if (ggml_kvcomp_is_kvct(params.cache_type_v)) {
@@ -457,6 +491,10 @@ bool common_kvcomp_bench_arg(int argc, char ** argv, int & i, bool & invalid_par
         }
         try {
             opt.handler_string(kvcomp_bench_params(), argv[i]);
+            // llama-bench takes K from -ctk: the mode's rule holds for the mode's K with statistics
+            const int32_t mode = kvcomp_bench_params().kvcomp.mode;
+            kvcomp_apply_k_layers(kvcomp_bench_params(), mode >= 0 && mode < LLAMA_KVCOMP_MODE_CUSTOM ?
+                (ggml_type) llama_kvcomp_mode_type_k_stats(mode) : GGML_TYPE_COUNT);
         } catch (const std::exception & e) {
             fprintf(stderr, "error: %s\n", e.what());
             invalid_param = true;

@@ -51,6 +51,36 @@ LLAMA_API int32_t llama_kvcomp_mode_preset(int32_t mode, struct llama_kvcomp_par
 // -1 for an unknown mode.
 LLAMA_API int32_t llama_kvcomp_mode_type_k_stats(int32_t mode);
 
+// Per-layer K types. Upstream's cache has one K type for every layer, but a bit of K costs up to
+// 50x more KLD in some layers than in others (docs/kv-rows.md, "With the cache's own types"):
+// a rule may store the least sensitive layers one type lower. A cache's tensors are made with
+// its context, before any kvcomp call can reach the context (llama-cpp-python makes model and
+// context in one call), so the rule is process-wide: it applies to the contexts created after
+// it is set, and each context keeps the types it was made with.
+enum llama_kvcomp_k_layers {
+    LLAMA_KVCOMP_K_LAYERS_SAME,  // every layer stores K as the context's type_k (upstream's)
+    LLAMA_KVCOMP_K_LAYERS_EDGES, // a kvct4 K cache stores its first layer and the last sixth of
+                                 // its layers (rounded up) as kvct3; other K types are unchanged
+    LLAMA_KVCOMP_K_LAYERS_COUNT,
+};
+
+// Sets the rule for the contexts created from now on. Returns 0, or -1 for an unknown rule.
+LLAMA_API int32_t llama_kvcomp_set_k_layers(int32_t rule);
+LLAMA_API int32_t llama_kvcomp_get_k_layers(void);
+
+// The K type of layer il (of n_layer) under rule in a context whose K type is type_k.
+LLAMA_API enum ggml_type llama_kvcomp_layer_type_k(int32_t rule, int32_t il, int32_t n_layer, enum ggml_type type_k);
+
+// The rule a mode takes with the model's K statistics: EDGES for balanced, whose sinks and
+// window keep the first layer's most sensitive rows exact (0.2 bits less K per element for a
+// measured +0-5% KLD on SmolLM2 and Gemma-3), SAME for the others (low-latency's first layer
+// would cost it 20%). -1 for an unknown mode.
+LLAMA_API int32_t llama_kvcomp_mode_k_layers(int32_t mode);
+
+// "same", "edges"; NULL for an unknown rule. And the rule of a name (or of its number), or -1.
+LLAMA_API const char * llama_kvcomp_k_layers_name(int32_t rule);
+LLAMA_API int32_t llama_kvcomp_k_layers_from_name(const char * name);
+
 // The ggml_type of a tensor type name ("kvc4", "q8_0", "f16", ...), or -1: for bindings that
 // pass cache types as numbers (llama-cpp-python's type_k/type_v).
 LLAMA_API int32_t llama_kvcomp_type_from_name(const char * name);
@@ -84,7 +114,8 @@ LLAMA_API int32_t llama_kvcomp_set_k_stats(struct llama_context * ctx, const cha
 // or -1 without a context.
 LLAMA_API int32_t llama_kvcomp_get_config(struct llama_context * ctx, struct llama_kvcomp_params * params);
 
-// The K and V cache types of the context. Returns 0, or -1 without a transformer KV cache.
+// The K and V cache types of the context (with per-layer K types, the type most layers have).
+// Returns 0, or -1 without a transformer KV cache.
 LLAMA_API int32_t llama_kvcomp_get_cache_types(struct llama_context * ctx, enum ggml_type * type_k, enum ggml_type * type_v);
 
 // Switches to a mode's knobs at run time (logged): new tokens follow them, cached tokens keep
