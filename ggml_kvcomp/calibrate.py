@@ -60,8 +60,13 @@ def ensure_kstats(model: Path) -> Path:
 
 
 def kv_args(cfg: KvConfig, model: Path) -> list[str]:
-    """The tools' KV flags for cfg on model: its own, and the statistics a kvct K cache loads."""
+    """The tools' KV flags for cfg on model: its own, the statistics a kvct K cache loads, and
+    the model's layer profile for ':k2'."""
+    from .layers import ensure_profile  # layers measures with calibration_text, defined here
+
     args = cfg.tool_args()
     if cfg.needs_kstats:
         args += ["--kv-comp-kstats", str(ensure_kstats(model))]
+    if cfg.kstats == 2:
+        args += ["--kv-comp-layers", str(ensure_profile(model))]
     return args

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Literal, get_args
 
 from .paths import bin_dir
@@ -115,6 +116,9 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     # enum ggml_type llama_kvcomp_layer_type_k(int32_t rule, int32_t il, int32_t n_layer, enum ggml_type type_k);
     llama.llama_kvcomp_layer_type_k.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int]
     llama.llama_kvcomp_layer_type_k.restype = ctypes.c_int
+    # int32_t llama_kvcomp_load_layers(const char * path);
+    llama.llama_kvcomp_load_layers.argtypes = [ctypes.c_char_p]
+    llama.llama_kvcomp_load_layers.restype = ctypes.c_int32
     # const char * ggml_type_name(enum ggml_type type);
     base.ggml_type_name.argtypes = [ctypes.c_int]
     base.ggml_type_name.restype = ctypes.c_char_p
@@ -232,6 +236,13 @@ def get_k_layers() -> KLayersName:
     """The per-layer K rule that a context created now gets."""
     name: KLayersName = K_LAYERS_NAMES[lib().llama_kvcomp_get_k_layers()]
     return name
+
+
+def load_layers(path: str | Path | None) -> None:
+    """Loads a per-layer profile for the contexts created from now on (process-wide; None
+    unloads it); ValueError with the library's reason for a bad file."""
+    if lib().llama_kvcomp_load_layers(None if path is None else str(path).encode()) != 0:
+        raise ValueError(last_error() or f"cannot load the layer profile {path}")
 
 
 def layer_types_k(rule: KLayersName, n_layer: int, type_k: str) -> list[str]:

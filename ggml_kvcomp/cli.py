@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import bench, calibrate, corpus, export, models, needle, perplexity, plots, regress, report, steps
+from . import bench, calibrate, corpus, export, layers, models, needle, perplexity, plots, regress, report, steps
 from .kvtypes import DEFAULT_CONFIGS, KvConfig
 
 
@@ -216,6 +216,11 @@ def cmd_calibrate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     text = Path(args.text) if args.text else None
     calibrate.calibrate(model, out, ctx=args.ctx, chunks=args.chunks, threads=args.threads, text=text)
     print(f"kvcomp calibrate: {model.name}: K statistics -> {out} (load with --kv-comp-kstats {out})")
+    if args.layers is not None:
+        prof = Path(args.layers) if args.layers else layers.profile_path(model)
+        k_down, v_up = layers.write(prof, layers.measure(model, text, threads=args.threads))
+        print(f"kvcomp calibrate: {model.name}: kvct3 K in layers {k_down}, kvc4 V in layers {v_up} -> {prof} "
+              f"(load with --kv-comp-layers {prof})")
     return 0
 
 
@@ -380,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--ctx", type=_positive, default=512)
     ca.add_argument("--chunks", type=_positive, default=24)
     ca.add_argument("--out", help="the GGUF file to write (default: the cache, where kvcomp kld/bench find it)")
+    ca.add_argument("--layers", nargs="?", const="", default=None, metavar="FILE",
+                    help="also measure each layer's cost of a K bit and saving of a V bit (llama-kvcomp-ksim, about "
+                         "4 minutes for a 135M model) and write the per-layer profile (--kv-comp-layers; default: "
+                         "the cache, where kvcomp kld/bench find it for ':k2')")
     ca.set_defaults(func=cmd_calibrate)
     return p
 

@@ -34,7 +34,9 @@ KNOBS: dict[str, tuple[str, str]] = {
     "b": ("pin_budget", "--kv-comp-pin-budget"),
     "t": ("tracker", "--kv-comp-tracker"),
     "m": ("monitor", "--kv-comp-monitor"),
-    "k": ("kstats", ""),  # 1: the model's K statistics loaded, a mode's K its type for them (no flag of its own)
+    # 1: the model's K statistics loaded, a mode's K its type for them (no flag of its own); 2: also the
+    # model's measured per-layer profile (--kv-comp-layers, `kvcomp calibrate --layers`)
+    "k": ("kstats", ""),
     "l": ("k_layers", "--kv-comp-k-layers"),  # per-layer K rule: 0 same, 1 edges (K_LAYERS_NAMES)
 }
 
@@ -71,10 +73,13 @@ class KvConfig:
         if self.k_layers not in range(len(K_LAYERS_NAMES)):
             rules = ", ".join(f"{i} ({n})" for i, n in enumerate(K_LAYERS_NAMES))
             raise ValueError(f"the per-layer K rule is one of {rules}")
-        if self.tracker not in (0, 1) or self.monitor not in (0, 1) or self.kstats not in (0, 1):
-            raise ValueError("the tracker, the monitor and the K statistics are 1 (on) or 0 (off)")
+        if self.tracker not in (0, 1) or self.monitor not in (0, 1):
+            raise ValueError("the tracker and the monitor are 1 (on) or 0 (off)")
+        if self.kstats not in (0, 1, 2):
+            raise ValueError("the K statistics are 0 (off), 1 (on) or 2 (on, with the model's layer profile)")
         if self.kstats and self.mode is None:
-            raise ValueError("':k1' goes with a mode (e.g. 'balanced:k1'); a plain pair names its K type (kvct4/kvc3)")
+            raise ValueError(f"':k{self.kstats}' goes with a mode (e.g. 'balanced:k1'); a plain pair names its K type "
+                             "(kvct4/kvc3)")
         if self.mode is not None and self.mode not in MODE_NAMES:
             raise ValueError(f"unknown mode {self.mode!r}; known: {', '.join(MODE_NAMES)}")
 

@@ -25,6 +25,7 @@ from .capi import (
     get_k_layers,
     last_error,
     lib,
+    load_layers,
     mode_id,
     mode_name,
     mode_preset,
@@ -86,12 +87,14 @@ def new_llama(model: str | Path, type_k: str, type_v: str, *, n_ctx: int = 2048,
 
 def open_llama(model: str | Path, mode: ModeName = "balanced", *, n_ctx: int = 2048, n_threads: int = 2,
                kstats: str | Path | None = None, k_layers: KLayersName | None = None,
-               **knobs: float) -> llama_cpp.Llama:
+               layers: str | Path | None = None, **knobs: float) -> llama_cpp.Llama:
     """A llama_cpp.Llama whose KV cache runs `mode`: its K/V types, flash attention, and its
     knobs, of which `knobs` (window, sinks, merge_interval, merge_at, pin_threshold,
     pin_budget, tracker) override single ones. With `kstats` (the model's K statistics,
     `kvcomp calibrate`), K takes the mode's type for them (kvct4 for low-latency and balanced)
-    and the mode's per-layer K rule (balanced: "edges"), or `k_layers`."""
+    and the mode's per-layer K rule (balanced: "edges"), or `k_layers`; `layers`, a profile
+    from `kvcomp calibrate --layers`, replaces the rule (both are read when the context is made,
+    and hold for this context only)."""
     preset = mode_preset(mode)
     type_k = preset.type_k_stats if kstats is not None else preset.type_k
     rule: KLayersName = k_layers or (preset.k_layers if kstats is not None else "same")  # type: ignore[assignment]
@@ -99,9 +102,13 @@ def open_llama(model: str | Path, mode: ModeName = "balanced", *, n_ctx: int = 2
     before = get_k_layers()
     set_k_layers(rule)
     try:
+        if layers is not None:
+            load_layers(layers)
         llm = new_llama(model, type_k, preset.type_v, n_ctx=n_ctx, n_threads=n_threads)
     finally:
         set_k_layers(before)
+        if layers is not None:
+            load_layers(None)
     if kstats is not None:
         set_k_stats(llm, kstats)
     configure(llm, mode, **knobs)

@@ -37,7 +37,7 @@ def test_kvct_beats_kvc4_at_equal_bits(bins: Path, model: Path, text: Path) -> N
 
 def _perplexity(bins: Path, model: Path, text: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     args = [str(bins / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", "128", "--chunks", "1",
-            "-fa", "on", *extra]
+            "-fa", "on", "-lv", "4", *extra]
     return subprocess.run(args, capture_output=True, text=True, timeout=300)
 
 

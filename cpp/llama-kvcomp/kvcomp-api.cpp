@@ -10,7 +10,6 @@
 #include "llama-kv-cache.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -41,11 +40,6 @@ constexpr kvcomp_mode_row KVCOMP_MODES[] = {
     { "high-precision", GGML_TYPE_KVC8, GGML_TYPE_KVC8,  32,  4,  8, 0.0f,  1.0f,  1,     GGML_TYPE_KVC8,  LLAMA_KVCOMP_K_LAYERS_SAME },
 };
 
-constexpr const char * KVCOMP_K_LAYERS_NAMES[] = { "same", "edges" };
-static_assert(sizeof(KVCOMP_K_LAYERS_NAMES) / sizeof(KVCOMP_K_LAYERS_NAMES[0]) == LLAMA_KVCOMP_K_LAYERS_COUNT,
-              "one name per per-layer K rule");
-
-std::atomic<int32_t> g_k_layers{LLAMA_KVCOMP_K_LAYERS_SAME};
 static_assert(sizeof(KVCOMP_MODES) / sizeof(KVCOMP_MODES[0]) == LLAMA_KVCOMP_MODE_CUSTOM, "one table row per mode");
 
 } // namespace
@@ -108,39 +102,6 @@ int32_t llama_kvcomp_mode_type_k_stats(int32_t mode) {
 
 int32_t llama_kvcomp_mode_k_layers(int32_t mode) {
     return mode < 0 || mode >= LLAMA_KVCOMP_MODE_CUSTOM ? -1 : KVCOMP_MODES[mode].k_layers;
-}
-
-int32_t llama_kvcomp_set_k_layers(int32_t rule) {
-    if (rule < 0 || rule >= LLAMA_KVCOMP_K_LAYERS_COUNT) {
-        return llama_kvcomp_fail(-1, "unknown per-layer K rule " + std::to_string(rule));
-    }
-    g_k_layers = rule;
-    return 0;
-}
-
-int32_t llama_kvcomp_get_k_layers(void) {
-    return g_k_layers;
-}
-
-ggml_type llama_kvcomp_layer_type_k(int32_t rule, int32_t il, int32_t n_layer, ggml_type type_k) {
-    if (rule != LLAMA_KVCOMP_K_LAYERS_EDGES || type_k != GGML_TYPE_KVCT4 || n_layer <= 0) {
-        return type_k;
-    }
-    const int32_t n_last = (n_layer + 5) / 6;
-    return il == 0 || il >= n_layer - n_last ? GGML_TYPE_KVCT3 : type_k;
-}
-
-const char * llama_kvcomp_k_layers_name(int32_t rule) {
-    return rule >= 0 && rule < LLAMA_KVCOMP_K_LAYERS_COUNT ? KVCOMP_K_LAYERS_NAMES[rule] : nullptr;
-}
-
-int32_t llama_kvcomp_k_layers_from_name(const char * name) {
-    for (int32_t r = 0; name && r < LLAMA_KVCOMP_K_LAYERS_COUNT; ++r) {
-        if (std::strcmp(name, KVCOMP_K_LAYERS_NAMES[r]) == 0 || std::strcmp(name, std::to_string(r).c_str()) == 0) {
-            return r;
-        }
-    }
-    return -1;
 }
 
 int32_t llama_kvcomp_type_from_name(const char * name) {

@@ -1180,16 +1180,20 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
 }
 
 void llama_kvcomp_buffer::cache_types(const llama_kv_cache & kv, ggml_type & type_k, ggml_type & type_v) {
-    size_t best = 0;
-    type_k = kv.layers[0].k->type;
-    for (const auto & l : kv.layers) {
-        const size_t n = std::count_if(kv.layers.begin(), kv.layers.end(), [&](const auto & o) { return o.k->type == l.k->type; });
-        if (n > best) {
-            best   = n;
-            type_k = l.k->type;
+    const auto most = [&](ggml_tensor * llama_kv_cache::kv_layer::*t) {
+        size_t best = 0;
+        ggml_type out = (kv.layers[0].*t)->type;
+        for (const auto & l : kv.layers) {
+            const size_t n = std::count_if(kv.layers.begin(), kv.layers.end(), [&](const auto & o) { return (o.*t)->type == (l.*t)->type; });
+            if (n > best) {
+                best = n;
+                out  = (l.*t)->type;
+            }
         }
-    }
-    type_v = kv.layers[0].v->type;
+        return out;
+    };
+    type_k = most(&llama_kv_cache::kv_layer::k);
+    type_v = most(&llama_kv_cache::kv_layer::v);
 }
 
 int32_t llama_kvcomp_buffer::set_k_stats(llama_kv_cache & kv, const std::shared_ptr<llama_kvcomp_kstats> & stats, uint32_t n_ubatch,
@@ -1234,10 +1238,12 @@ int32_t llama_kvcomp_buffer::set_k_stats(llama_kv_cache & kv, const std::shared_
     for (const auto & l : kv.layers) {
         k_bytes += ggml_nbytes(l.k);
     }
-    std::string types;
+    std::string types, types_v;
     for (const auto & l : kv.layers) {
-        types += std::string(types.empty() ? "" : ",") + ggml_type_name(l.k->type);
+        types   += std::string(types.empty() ? "" : ",") + ggml_type_name(l.k->type);
+        types_v += std::string(types_v.empty() ? "; V " : ",") + ggml_type_name(l.v->type);
     }
+    types += types_v;
     LLAMA_LOG_INFO("kvcomp: K plans of %zu layers (%s) from '%s' (%llu tokens of %s): %.2f MiB beside %.2f MiB of K rows\n",
                    kv.layers.size(), types.c_str(), stats->path.c_str(), (unsigned long long) stats->n_tokens,
                    stats->arch.c_str(), plans->nbytes() / (1024.0 * 1024.0), k_bytes / (1024.0 * 1024.0));

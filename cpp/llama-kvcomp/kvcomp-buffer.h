@@ -10,6 +10,7 @@
 // main cache. Exactness depends on positions only, so a batched prompt and token-by-token
 // decoding see the same keys.
 
+#include "kvcomp-layers.h"
 #include "kvcomp-monitor.h"
 #include "kvcomp-plans.h"
 #include "kvcomp-storage.h"
@@ -41,7 +42,7 @@ struct llama_kvcomp_buffer {
     // llama_kvcomp_configure on one cache; same return codes
     static int32_t attach(llama_kv_cache & kv, const llama_kvcomp_params & params, uint32_t n_ubatch, uint32_t n_seq_max);
 
-    // K: the type most layers have (llama_kvcomp_set_k_layers may give some layers another)
+    // the types most layers have (a per-layer rule or profile gives some layers others)
     static void cache_types(const llama_kv_cache & kv, ggml_type & type_k, ggml_type & type_v);
 
     // the context's monitor (kvcomp-monitor.h), told of every ubatch of this cache

@@ -250,6 +250,18 @@ std::vector<common_arg> common_kvcomp_args() {
         }
     ).set_env("LLAMA_ARG_KV_COMP_K_LAYERS"));
     args.push_back(common_arg(
+        {"--kv-comp-layers"}, "FILE",
+        "kvcomp: a per-layer profile of the model (`kvcomp calibrate --layers` writes it): in the layers it lists a kvct4 "
+        "K is stored as kvct3 and a kvc3 V as kvc4, where the model's measured costs say a bit moved from K to V buys "
+        "KLD; replaces --kv-comp-k-layers (docs/formats.md, \"Layer profiles\")",
+        [](common_params &, const std::string & value) {
+            if (llama_kvcomp_load_layers(value.c_str()) != 0) {
+                const char * why = llama_kvcomp_last_error();
+                throw std::invalid_argument(std::string("--kv-comp-layers: ") + (why ? why : "cannot load '" + value + "'"));
+            }
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_LAYERS"));
+    args.push_back(common_arg(
         {"--kv-comp-window"}, "W",
         "kvcomp residual buffer: the newest W positions stay exact (F16) for every query (default: 0, off; "
         "needs -fa on; on an f16/f32 cache, which is exact already, it stays off)",

@@ -77,6 +77,14 @@ LLAMA_API enum ggml_type llama_kvcomp_layer_type_k(int32_t rule, int32_t il, int
 // would cost it 20%). -1 for an unknown mode.
 LLAMA_API int32_t llama_kvcomp_mode_k_layers(int32_t mode);
 
+// A measured per-layer profile (`kvcomp calibrate --layers` writes one, docs/formats.md): in
+// the layers it lists a kvct4 K is stored as kvct3, and in others a kvc3 V as kvc4, where the
+// model's single-layer costs say a bit moved from K to V buys KLD. Process-wide like the rule,
+// which it replaces while loaded; NULL unloads it. Returns 0, or -1 for a file that is missing,
+// damaged or not a profile (reason in llama_kvcomp_last_error). A context of a model of
+// another architecture or layer count is refused when it is made.
+LLAMA_API int32_t llama_kvcomp_load_layers(const char * path);
+
 // "same", "edges"; NULL for an unknown rule. And the rule of a name (or of its number), or -1.
 LLAMA_API const char * llama_kvcomp_k_layers_name(int32_t rule);
 LLAMA_API int32_t llama_kvcomp_k_layers_from_name(const char * name);
