@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from .calibrate import kv_args
-from .kvtypes import BITS_PER_ELEMENT, KvConfig
+from .kvtypes import KvConfig
 from .paths import binary
-from .perplexity import parse_bpe_k
+from .perplexity import parse_bpe
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,9 @@ def _run_tool(args: Sequence[str], what: str) -> tuple[str, str, float]:
 
 
 def kv_bpe(cfg: KvConfig, mem: Memory, log: str = "") -> float:
-    """Bits per KV element with the residual buffer amortized over the cache's cells (K's per
-    layer from the tool's log when it names them)."""
-    main_bpe = (parse_bpe_k(log, cfg.type_k) + BITS_PER_ELEMENT[cfg.type_v]) / 2
+    """Bits per KV element with the residual buffer amortized over the cache's cells (per layer
+    from the tool's log when it names the layers' types)."""
+    main_bpe = sum(parse_bpe(log, cfg.type_k, cfg.type_v)) / 2
     return main_bpe * (1 + mem.kv_buffer_mib / mem.kv_main_mib) if mem.kv_main_mib > 0 else main_bpe
 
 

@@ -119,12 +119,20 @@ def parse_kv_bpe(log: str) -> tuple[float, float]:
     return (float(m.group(3)) * mib / (cells * layers * n_k), float(m.group(4)) * mib / (cells * layers * n_v))
 
 
-def parse_bpe_k(log: str, type_k: str) -> float:
-    """Bits per element of K: the mean over the layers named in the 'kvcomp: K plans of N
-    layers (types)' lines of a kvct K cache (one per cache; per-layer K types give some
-    layers kvct3), else type_k's."""
-    types = [t for m in re.findall(r"kvcomp: K plans of \d+ layers \(([^)]*)\)", log) for t in m.split(",")]
-    return sum(BITS_PER_ELEMENT[t] for t in types) / len(types) if types else BITS_PER_ELEMENT[type_k]
+def parse_bpe(log: str, type_k: str, type_v: str) -> tuple[float, float]:
+    """Bits per element of K and V: the means over the layers named in the 'kvcomp: K plans of
+    N layers (K types; V types)' lines of a kvct K cache (one per cache; per-layer types give
+    some layers others), else type_k's and type_v's."""
+    k: list[str] = []
+    v: list[str] = []
+    for kt, vt in re.findall(r"kvcomp: K plans of \d+ layers \(([^;)]*)(?:; V ([^)]*))?\)", log):
+        k += kt.split(",")
+        v += vt.split(",") if vt else []
+
+    def mean(types: list[str], default: str) -> float:
+        return sum(BITS_PER_ELEMENT[t] for t in types) / len(types) if types else BITS_PER_ELEMENT[default]
+
+    return mean(k, type_k), mean(v, type_v)
 
 
 def _kv_memory(log: str) -> tuple[float, float]:
@@ -190,14 +198,14 @@ def parse_kld(label: str, cfg: KvConfig, log: str, ctx_full: int) -> KldResult:
     if not kld:
         raise ValueError("llama-perplexity output lacks 'Mean KLD'")
     rmse = parse_tracker_rmse(log)
-    bpe_k = parse_bpe_k(log, cfg.type_k)
+    bpe_k, bpe_v = parse_bpe(log, cfg.type_k, cfg.type_v)
     return KldResult(
         label=label,
         type_k=cfg.type_k,
         type_v=cfg.type_v,
         bpe_k=bpe_k,
-        bpe_v=BITS_PER_ELEMENT[cfg.type_v],
-        bpe_buffer=parse_buffer_bpe(log, (bpe_k + BITS_PER_ELEMENT[cfg.type_v]) / 2),
+        bpe_v=bpe_v,
+        bpe_buffer=parse_buffer_bpe(log, (bpe_k + bpe_v) / 2),
         ppl=_number(r"^Mean PPL\(Q\)\s*:\s*([\d.]+)", log),
         ppl_base=_number(r"^Mean PPL\(base\)\s*:\s*([\d.]+)", log),
         ppl_ratio=_number(r"^Mean PPL\(Q\)/PPL\(base\)\s*:\s*([\d.]+)", log),

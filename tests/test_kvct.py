@@ -131,6 +131,10 @@ def test_modes_take_their_k_layer_rule() -> None:
     assert KvConfig.parse("kvct4/kvc3:l1").types_k(6) == ["kvct3", "kvct4", "kvct4", "kvct4", "kvct4", "kvct3"]
     with pytest.raises(ValueError, match="per-layer K rule"):
         KvConfig.parse("balanced:k1:l2")
+    prof = KvConfig.parse("balanced:k2")
+    assert (prof.label, prof.type_k, prof.needs_kstats) == ("balanced:k2", "kvct4", True)
+    with pytest.raises(ValueError, match="K statistics are 0"):
+        KvConfig.parse("balanced:k3")
     with pytest.raises(ValueError, match="unknown per-layer K rule"):
         capi.set_k_layers("middle")  # type: ignore[arg-type]
 
