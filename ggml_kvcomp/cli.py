@@ -218,7 +218,12 @@ def cmd_calibrate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"kvcomp calibrate: {model.name}: K statistics -> {out} (load with --kv-comp-kstats {out})")
     if args.layers is not None:
         prof = Path(args.layers) if args.layers else layers.profile_path(model)
-        k_down, v_up = layers.write(prof, layers.measure(model, text, threads=args.threads))
+        costs = layers.measure(model, text, threads=args.threads)
+        k_down, v_up = layers.write(prof, costs)
+        if not costs.additive:
+            print(f"kvcomp calibrate: {model.name}: the single-layer costs do not add up (sums "
+                  f"{costs.k_sum_ratio:.2f}x and {costs.v_sum_ratio:.2f}x the whole for K and V): the profile takes "
+                  "the fixed rule's layers")
         print(f"kvcomp calibrate: {model.name}: kvct3 K in layers {k_down}, kvc4 V in layers {v_up} -> {prof} "
               f"(load with --kv-comp-layers {prof})")
     return 0

@@ -17,6 +17,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import capi
 from .calibrate import calibration_text
 from .paths import binary, cache_dir
 from .synth import gguf_module
@@ -42,10 +43,24 @@ class LayerCosts:
     arch: str
     k_cost: tuple[float, ...]
     v_save: tuple[float, ...]
+    # the single layers' KLDs at kvct3 K (kvc3 V) summed, over the KLD with every layer so
+    # coded: near 1 when the layers' costs add up, so that they can be compared
+    k_sum_ratio: float = 1.0
+    v_sum_ratio: float = 1.0
 
     @property
     def n_layer(self) -> int:
         return len(self.k_cost)
+
+    @property
+    def additive(self) -> bool:
+        return all(1 / MAX_SUM_RATIO <= r <= MAX_SUM_RATIO for r in (self.k_sum_ratio, self.v_sum_ratio))
+
+
+# How far the single-layer costs may be from adding up before they are not trusted. SmolLM2-F32
+# measured 1.03 (K) and 0.90 (V); Gemma-3's Q4_K_M file, whose KLD has a floor of its own
+# under any change of K, 4.8 for K (docs/kv-rows.md, "Bits per layer").
+MAX_SUM_RATIO = 1.5
 
 
 def n_free(n_layer: int) -> int:
@@ -55,7 +70,11 @@ def n_free(n_layer: int) -> int:
 
 def choose(costs: LayerCosts) -> tuple[list[int], list[int]]:
     """(K down, V up): the n_free cheapest K layers, then pairs (the next cheapest K layer, the
-    V layer that saves most) while the saving exceeds the cost."""
+    V layer that saves most) while the saving exceeds the cost. Costs that do not add up give
+    the fixed rule's layers and no V up: what they would choose is noise."""
+    if not costs.additive:
+        edges = capi.layer_types_k("edges", costs.n_layer, "kvct4")
+        return [il for il, t in enumerate(edges) if t == "kvct3"], []
     k_order = sorted(range(costs.n_layer), key=lambda il: costs.k_cost[il])
     v_order = sorted(range(costs.n_layer), key=lambda il: -costs.v_save[il])
     free = min(n_free(costs.n_layer), costs.n_layer)
@@ -76,9 +95,11 @@ def parse_ksim(out: str, arch: str, n_layer: int) -> LayerCosts:
     try:
         k_cost = tuple(kld[("K", f"{K_DOWN}@{il}")] - kld[("K", f"{K_KEEP}@{il}")] for il in range(n_layer))
         v_save = tuple(kld[("V", f"{V_KEEP}@{il}")] - kld[("V", f"{V_UP}@{il}")] for il in range(n_layer))
+        k_sum = sum(kld[("K", f"{K_DOWN}@{il}")] for il in range(n_layer)) / max(kld[("K", K_DOWN)], 1e-12)
+        v_sum = sum(kld[("V", f"{V_KEEP}@{il}")] for il in range(n_layer)) / max(kld[("V", V_KEEP)], 1e-12)
     except KeyError as e:
         raise ValueError(f"llama-kvcomp-ksim's table lacks {e.args[0]}") from None
-    return LayerCosts(arch, k_cost, v_save)
+    return LayerCosts(arch, k_cost, v_save, k_sum, v_sum)
 
 
 def model_shape(model: Path) -> tuple[str, int]:
@@ -99,8 +120,8 @@ def measure(model: Path, text: Path | None = None, ctx: int = 1024, chunks: int 
     """Each layer's costs, from one llama-kvcomp-ksim run (the first 4 positions exact, as
     balanced's sinks keep them)."""
     arch, n_layer = model_shape(model)
-    kcode = ",".join(f"{c}@{il}" for il in range(n_layer) for c in (K_DOWN, K_KEEP))
-    vcode = ",".join(f"{c}@{il}" for il in range(n_layer) for c in (V_KEEP, V_UP))
+    kcode = ",".join([K_DOWN] + [f"{c}@{il}" for il in range(n_layer) for c in (K_DOWN, K_KEEP)])
+    vcode = ",".join([V_KEEP] + [f"{c}@{il}" for il in range(n_layer) for c in (V_KEEP, V_UP)])
     args = [str(binary("llama-kvcomp-ksim")), "-m", str(model), "-f", str(text or calibration_text()), "-c", str(ctx),
             "--chunks", str(chunks), "-t", str(threads), "--exact-first", "4", "--kcode", kcode, "--vcode", vcode]
     proc = subprocess.run(args, capture_output=True, text=True)
@@ -123,6 +144,7 @@ def write(path: Path, costs: LayerCosts) -> tuple[list[int], list[int]]:
     w.add_array(KEY_V_UP, v_up)
     w.add_array("kvcomp.layers.k_cost", [float(c) for c in costs.k_cost])
     w.add_array("kvcomp.layers.v_save", [float(s) for s in costs.v_save])
+    w.add_array("kvcomp.layers.sum_ratio", [float(costs.k_sum_ratio), float(costs.v_sum_ratio)])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()

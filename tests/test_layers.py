@@ -40,10 +40,23 @@ def test_ksim_table_is_read() -> None:
             for il in range(3) for c in (layers.K_DOWN, layers.K_KEEP)]
     rows += [f"| V | {c}@{il} | 3.50 | {0.004 if c == layers.V_KEEP else 0.001:.6f} | 0.000010 |"
              for il in range(3) for c in (layers.V_KEEP, layers.V_UP)]
+    rows += [f"| K | {layers.K_DOWN} | 3.50 | 0.010000 | 0.000010 |",
+             f"| V | {layers.V_KEEP} | 3.50 | 0.012000 | 0.000010 |"]
     costs = layers.parse_ksim("\n".join(rows), "llama", 3)
     assert costs.k_cost == pytest.approx((0.001, 0.002, 0.003)) and costs.v_save == pytest.approx((0.003,) * 3)
+    assert (costs.k_sum_ratio, costs.v_sum_ratio) == pytest.approx((1.2, 1.0)) and costs.additive
     with pytest.raises(ValueError, match="lacks"):
         layers.parse_ksim("\n".join(rows[1:]), "llama", 3)
+
+
+@pytest.mark.parametrize("ratios", [(4.8, 1.0), (1.0, 0.5)])
+def test_costs_that_do_not_add_up_give_the_rule(ratios: tuple[float, float]) -> None:
+    # a file whose KLD has a floor (Gemma-3's Q4_K_M) makes single-layer costs meaningless
+    n = 18
+    costs = layers.LayerCosts("gemma3", tuple(1.0 for _ in range(n)), tuple(5.0 for _ in range(n)), *ratios)
+    k_down, v_up = layers.choose(costs)
+    assert (k_down, v_up) == ([il for il, t in enumerate(capi.layer_types_k("edges", n, "kvct4")) if t == "kvct3"], [])
+    assert k_down == [0, 15, 16, 17]
 
 
 def _profile(path: Path, arch: str, n_layer: int, k_down: list[int], v_up: list[int], version: int = 1) -> Path:
