@@ -50,13 +50,15 @@ def test_ksim_table_is_read() -> None:
 
 
 @pytest.mark.parametrize("ratios", [(4.8, 1.0), (1.0, 0.5)])
-def test_costs_that_do_not_add_up_give_the_rule(ratios: tuple[float, float]) -> None:
+def test_costs_that_do_not_add_up_give_the_rule(ratios: tuple[float, float], tmp_path: Path) -> None:
     # a file whose KLD has a floor (Gemma-3's Q4_K_M) makes single-layer costs meaningless
     n = 18
     costs = layers.LayerCosts("gemma3", tuple(1.0 for _ in range(n)), tuple(5.0 for _ in range(n)), *ratios)
     k_down, v_up = layers.choose(costs)
     assert (k_down, v_up) == ([il for il, t in enumerate(capi.layer_types_k("edges", n, "kvct4")) if t == "kvct3"], [])
     assert k_down == [0, 15, 16, 17]
+    capi.load_layers(_profile(tmp_path / "rule.gguf", "gemma3", n, k_down, v_up))  # an empty list loads
+    capi.load_layers(None)
 
 
 def _profile(path: Path, arch: str, n_layer: int, k_down: list[int], v_up: list[int], version: int = 1) -> Path:
@@ -94,6 +96,7 @@ def test_profile_sets_each_layers_types(bins: Path, model: Path, text: Path, tmp
     (lambda p: _profile(p, "llama", 30, [0, 30], []), "lists layer 30 of a model of 30 layers"),
     (lambda p: _profile(p, "llama", 30, [0, 0], []), "lists layer 0 twice"),
     (lambda p: _profile(p, "llama", 30, [0], [1], version=9), "profile version 9"),
+    (lambda p: _profile(p, "llama", 30, [0.5], []), "no INT32 array kvcomp.layers.k_down"),
 ])
 def test_bad_profiles_are_refused(tmp_path: Path, make: object, reason: str) -> None:
     path = make(tmp_path / "bad.gguf")  # type: ignore[operator]

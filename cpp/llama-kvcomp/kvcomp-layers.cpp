@@ -30,11 +30,15 @@ struct layers_profile {
 std::mutex     g_profile_mutex;
 layers_profile g_profile;
 
-// the INT32 layer indices of array key name, each in [0, n_layer) and listed once
+// the INT32 layer indices of array key name (absent: none), each in [0, n_layer) and listed once
 std::vector<bool> read_layers(gguf_context * g, const char * name, uint32_t n_layer, std::string & err) {
     std::vector<bool> out(n_layer, false);
     const int64_t id = gguf_find_key(g, name);
-    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(g, id) != GGUF_TYPE_INT32) {
+    // no layers: gguf-py leaves an empty array out, and an empty one has no element type to check
+    if (id < 0 || (gguf_get_kv_type(g, id) == GGUF_TYPE_ARRAY && gguf_get_arr_n(g, id) == 0)) {
+        return out;
+    }
+    if (gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(g, id) != GGUF_TYPE_INT32) {
         err = std::string("no INT32 array ") + name;
         return out;
     }
