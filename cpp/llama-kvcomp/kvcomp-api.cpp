@@ -39,7 +39,6 @@ constexpr kvcomp_mode_row KVCOMP_MODES[] = {
     { "balanced",       GGML_TYPE_KVC4, GGML_TYPE_KVC3,  32,  4, 32, 0.0f,  1.0f,  1,     GGML_TYPE_KVCT4, LLAMA_KVCOMP_K_LAYERS_EDGES },
     { "high-precision", GGML_TYPE_KVC8, GGML_TYPE_KVC8,  32,  4,  8, 0.0f,  1.0f,  1,     GGML_TYPE_KVC8,  LLAMA_KVCOMP_K_LAYERS_SAME },
 };
-
 static_assert(sizeof(KVCOMP_MODES) / sizeof(KVCOMP_MODES[0]) == LLAMA_KVCOMP_MODE_CUSTOM, "one table row per mode");
 
 } // namespace
