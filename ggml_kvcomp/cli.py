@@ -302,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--configs", help="comma-separated K/V types, 'k/v' for a mixed pair, or a mode "
                         "(off, low-latency, balanced, high-precision); knobs as ':w32' window, ':s4' sinks, "
                         "':n8' merge interval, ':p0.1' pin threshold, ':b2' pin budget (%%), ':t1' scale tracker, "
-                        "':m0' monitor off "
+                        "':m0' monitor off, with a mode ':k1' the model's K statistics (':k2' and its layer "
+                        "profile), ':l0'/':l1' the per-layer K rule same/edges "
                         "(default: f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,kvc2,kvc8/kvc4)")
         sp.add_argument("--threads", type=_positive, default=2)
         sp.add_argument("--ngl", type=int, default=0, help="layers to offload to a GPU (-ngl; 0: CPU only)")
