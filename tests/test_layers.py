@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggml_kvcomp import calibrate, capi, layers
+from ggml_kvcomp import calibrate, capi, layers, models
 
 from .test_kvct import _perplexity
 
@@ -116,3 +116,16 @@ def test_profile_of_another_model_is_refused(bins: Path, model: Path, text: Path
     args = [str(bins / "llama-perplexity"), "-m", str(model), "--kv-comp-layers", str(tmp_path / "none.gguf")]
     bad = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--kv-comp-layers" in bad.stdout + bad.stderr
+
+
+def test_measure_reads_every_layer_from_ksim(bins: Path, text: Path, tmp_path: Path) -> None:
+    # the real llama-kvcomp-ksim table on the 4-layer synthetic model (its numbers mean nothing;
+    # the run's shape does): every layer's costs come back finite, and the profile loads
+    synth = models.fetch_model("synth-kv8x128")
+    costs = layers.measure(synth, text, ctx=128, chunks=1)
+    assert (costs.arch, costs.n_layer) == layers.model_shape(synth) == ("llama", 4)
+    assert all(np.isfinite(costs.k_cost)) and all(np.isfinite(costs.v_save)) and costs.k_sum_ratio > 0
+    k_down, _ = layers.write(tmp_path / "synth.gguf", costs)
+    assert len(k_down) >= layers.n_free(4)
+    capi.load_layers(tmp_path / "synth.gguf")
+    capi.load_layers(None)
