@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from .capi import K_LAYERS_NAMES, MODE_NAMES, ModeName, layer_types_k, mode_preset
+from .capi import K_LAYERS_NAMES, MODE_NAMES, ModeName, mode_preset
 
 UpstreamType = Literal["f16", "q8_0", "q4_0", "iq4_nl"]
 KvcType = Literal["kvc8", "kvc4", "kvc3", "kvc2"]
@@ -156,10 +156,6 @@ class KvConfig:
             rule = int(values.get("k_layers", K_LAYERS_NAMES.index(p.k_layers)))
             cfg = replace(cfg, type_k=p.type_k_stats, k_layers=rule)
         return cfg
-
-    def types_k(self, n_layer: int) -> list[str]:
-        """The K type of each layer of an n_layer model under this configuration."""
-        return layer_types_k(K_LAYERS_NAMES[self.k_layers], n_layer, self.type_k)  # type: ignore[arg-type]
 
 
 # The side-by-side set of the foundation run: upstream references first.

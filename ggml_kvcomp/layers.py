@@ -1,8 +1,8 @@
 """Per-layer K/V budgets measured on the model: `kvcomp calibrate --layers`.
 
-One budget, two places to spend it. A bit taken from K costs KLD in some layers 50x more than
-in others, and a bit given to V saves 7x more in some layers than in others, in other layers
-(docs/kv-rows.md, "Bits per layer"). The profile lists the layers whose kvct4 K is stored as
+One budget, two places to spend it. A bit taken from K costs up to 50x more KLD in some layers
+than in others, and a bit given to V saves up to 7x more in some layers than in others, not
+the same ones (docs/kv-rows.md, "Bits per layer"). The profile lists the layers whose kvct4 K is stored as
 kvct3 and those whose kvc3 V is stored as kvc4, from each layer's own cost measured by
 llama-kvcomp-ksim (that layer coded, the rest exact). It saves as many bits as the fixed rule
 (`--kv-comp-k-layers edges`: the first layer and the last sixth) and spends the rest where
@@ -11,7 +11,6 @@ V's saving exceeds K's cost.
 
 from __future__ import annotations
 
-import math
 import re
 import subprocess
 from dataclasses import dataclass
@@ -58,14 +57,19 @@ class LayerCosts:
 
 
 # How far the single-layer costs may be from adding up before they are not trusted. SmolLM2-F32
-# measured 1.03 (K) and 0.90 (V); Gemma-3's Q4_K_M file, whose KLD has a floor of its own
-# under any change of K, 4.8 for K (docs/kv-rows.md, "Bits per layer").
+# measured 1.02 (K) and 0.89 (V); the quantized files, whose KLD has a floor of its own under
+# any change of K or V, 4.95 / 4.74 (Gemma-3 Q4_K_M) and 5.87 / 5.43 (SmolLM2 Q4_1).
 MAX_SUM_RATIO = 1.5
 
 
+def rule_layers(n_layer: int) -> list[int]:
+    """The layers whose kvct4 K the fixed rule ('edges', the library's) stores as kvct3."""
+    return [il for il, t in enumerate(capi.layer_types_k("edges", n_layer, "kvct4")) if t == "kvct3"]
+
+
 def n_free(n_layer: int) -> int:
-    """The K bits the fixed rule saves: the first layer and the last sixth, rounded up."""
-    return 1 + math.ceil(n_layer / 6) if n_layer > 1 else 1
+    """The K bits the fixed rule saves, one per layer it moves down."""
+    return len(rule_layers(n_layer))
 
 
 def choose(costs: LayerCosts) -> tuple[list[int], list[int]]:
@@ -73,11 +77,10 @@ def choose(costs: LayerCosts) -> tuple[list[int], list[int]]:
     V layer that saves most) while the saving exceeds the cost. Costs that do not add up give
     the fixed rule's layers and no V up: what they would choose is noise."""
     if not costs.additive:
-        edges = capi.layer_types_k("edges", costs.n_layer, "kvct4")
-        return [il for il, t in enumerate(edges) if t == "kvct3"], []
+        return rule_layers(costs.n_layer), []
     k_order = sorted(range(costs.n_layer), key=lambda il: costs.k_cost[il])
     v_order = sorted(range(costs.n_layer), key=lambda il: -costs.v_save[il])
-    free = min(n_free(costs.n_layer), costs.n_layer)
+    free = n_free(costs.n_layer)
     k_down, v_up = k_order[:free], []
     for k, v in zip(k_order[free:], v_order, strict=False):
         if costs.v_save[v] <= costs.k_cost[k]:

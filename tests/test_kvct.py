@@ -128,7 +128,9 @@ def test_modes_take_their_k_layer_rule() -> None:
     same = KvConfig.parse("balanced:k1:l0")
     assert (same.label, same.tool_args()[-2:]) == ("balanced:k1:l0", ["--kv-comp-k-layers", "0"])
     assert KvConfig.parse("balanced").k_layers == 0
-    assert KvConfig.parse("kvct4/kvc3:l1").types_k(6) == ["kvct3", "kvct4", "kvct4", "kvct4", "kvct4", "kvct3"]
+    plain = KvConfig.parse("kvct4/kvc3:l1")
+    rule = capi.K_LAYERS_NAMES[plain.k_layers]
+    assert capi.layer_types_k(rule, 6, plain.type_k) == ["kvct3", "kvct4", "kvct4", "kvct4", "kvct4", "kvct3"]  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="per-layer K rule"):
         KvConfig.parse("balanced:k1:l2")
     prof = KvConfig.parse("balanced:k2")
