@@ -13,14 +13,14 @@ extern "C" {
 #define GGML_KVCOMP_TYPE_FIRST GGML_TYPE_KVC8
 #define GGML_KVCOMP_TYPE_LAST  GGML_TYPE_KVC2
 
-// The transform-coded K types (docs/formats.md, "kvct"), GGML_TYPE_KVCT4 .. GGML_TYPE_KVCT3:
+// The transform-coded K types (docs/formats.md, "kvct"), GGML_TYPE_KVCT4 .. GGML_TYPE_KVCT2:
 // a row is one KV head's d values coded with a plan of that layer and head, so no kernel can
 // read or write one without the plans. A node that does (SET_ROWS into such a cache, the
 // FLASH_ATTN_EXT that reads it) carries them as a source (ggml_kvct_set_plans): an I8 tensor
 // of one kvc_t_plan (kvc-transform.h) per KV head and the layer's kvc_t_rope. Only the CPU
 // backend runs such nodes.
 #define GGML_KVCOMP_KVCT_FIRST GGML_TYPE_KVCT4
-#define GGML_KVCOMP_KVCT_LAST  GGML_TYPE_KVCT3
+#define GGML_KVCOMP_KVCT_LAST  GGML_TYPE_KVCT2
 
 static inline bool ggml_kvcomp_is_kvct(enum ggml_type t) {
     return t >= GGML_KVCOMP_KVCT_FIRST && t <= GGML_KVCOMP_KVCT_LAST;

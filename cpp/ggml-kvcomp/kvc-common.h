@@ -171,7 +171,8 @@ GGML_API bool ggml_validate_row_data_kvc(enum ggml_type type, const void * data,
     GGML_KVCOMP_TYPE_TRAIT(kvc3, KVC3),     \
     GGML_KVCOMP_TYPE_TRAIT(kvc2, KVC2),     \
     GGML_KVCOMP_KVCT_TRAIT(kvct4, KVCT4),   \
-    GGML_KVCOMP_KVCT_TRAIT(kvct3, KVCT3)
+    GGML_KVCOMP_KVCT_TRAIT(kvct3, KVCT3),   \
+    GGML_KVCOMP_KVCT_TRAIT(kvct2, KVCT2)
 
 // Case labels for upstream switches that list the quantized types.
 #define GGML_KVCOMP_TYPE_CASES \
@@ -184,7 +185,8 @@ GGML_API bool ggml_validate_row_data_kvc(enum ggml_type type, const void * data,
 #define GGML_KVCOMP_ALL_TYPE_CASES \
     GGML_KVCOMP_TYPE_CASES:        \
     case GGML_TYPE_KVCT4:          \
-    case GGML_TYPE_KVCT3
+    case GGML_TYPE_KVCT3:          \
+    case GGML_TYPE_KVCT2
 
 #ifdef __cplusplus
 }

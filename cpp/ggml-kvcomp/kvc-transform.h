@@ -25,7 +25,8 @@ extern "C" {
 #define KVC_T_MAX_D    256 // the largest head size a plan holds
 #define KVC_T_MAX_BITS 8   // bits of one coefficient at most
 
-// The cache types GGML_TYPE_KVCT4 (4.5 bits per value) and GGML_TYPE_KVCT3 (3.5) count their
+// The cache types GGML_TYPE_KVCT4 (4.5 bits per value), GGML_TYPE_KVCT3 (3.5) and GGML_TYPE_KVCT2
+// (2.25) count their
 // rows in blocks of QK_KVCT values: a row of d values (a multiple of QK_KVCT) is d / QK_KVCT
 // blocks' bytes, coded as one row with its plan's row_bits = bpe * d (the block is only the
 // unit of size, not of coding).
@@ -40,6 +41,11 @@ typedef struct {
     uint8_t qs[QK_KVCT * 7 / 16];
 } block_kvct3;
 static_assert(sizeof(block_kvct3) == QK_KVCT * 7 / 16, "wrong kvct3 block size/padding");
+
+typedef struct {
+    uint8_t qs[QK_KVCT * 9 / 32];
+} block_kvct2;
+static_assert(sizeof(block_kvct2) == QK_KVCT * 9 / 32, "wrong kvct2 block size/padding");
 
 // The plan's row_bits for a row of d values of a kvct type (0 for another type, or a d that
 // is not a multiple of QK_KVCT or is larger than KVC_T_MAX_D).
