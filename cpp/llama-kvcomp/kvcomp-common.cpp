@@ -221,7 +221,7 @@ std::vector<common_arg> common_kvcomp_args() {
     ).set_env("LLAMA_ARG_KV_COMP"));
     args.push_back(common_arg(
         {"--kv-comp-kstats"}, "FILE",
-        "kvcomp: K statistics of the model (GGUF, written by `kvcomp calibrate`), from which a kvct4/kvct3 K cache "
+        "kvcomp: K statistics of the model (GGUF, written by `kvcomp calibrate`), from which a kvct K cache "
         "(-ctk) fits its per-layer, per-head plans; required by those types, ignored by the others; with them "
         "--kv-comp low-latency and balanced store K as kvct4",
         [](common_params & params, const std::string & value) {

@@ -109,7 +109,7 @@ LLAMA_API int32_t llama_kvcomp_mode_from_name(const char * name);
 LLAMA_API int32_t llama_kvcomp_configure(struct llama_context * ctx, const struct llama_kvcomp_params * params);
 
 // Loads K statistics (a GGUF file written by llama-kvcomp-calibrate / `kvcomp calibrate`)
-// and fits from them the plans of every kvct4/kvct3 K cache of the context (docs/formats.md,
+// and fits from them the plans of every kvct K cache of the context (docs/formats.md,
 // "kvct"); a cache of another K type ignores them. A kvct cache needs its plans before its
 // first token: until then llama_decode fails with the reason in llama_kvcomp_last_error.
 // Call after the context is created, while the cache is empty. Returns 0, or -1 for a file
