@@ -518,12 +518,13 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
             llama_memory_seq_rm(llama_get_memory(c.ctx), 1, 40, -1);
             plain = decode(c.ctx, other, 40, 41, 1, 1);
         }
-        // a lost row is seen quantized, so the token is no further from the fresh run than
-        // plain kvc4 (every window key quantized) is; a slot read in place of a lost row
-        // gives it another text's key (measured: KL 0.48 against plain's 0.054)
+        // a lost row is seen quantized, so the token is about as far from the fresh run as
+        // plain kvc4 (every window key quantized) is: within 1.5x, since the two contexts
+        // round differently (an AVX2 build measured 5.62e-3 against 5.58e-3); a slot read in
+        // place of a lost row gives it another text's key (measured: KL 0.48 against 0.054)
         const double kl = kl_div(fresh, after);
-        rep.check(!after.empty() && (exact == 0 || (exact == 1 && after == fresh)) && kl <= kl_div(fresh, plain),
-            "buffer: a sequence loaded over another's spares: the other's cut-back (exact rows %s) is at KL %.2e <= plain kvc4's %.2e",
+        rep.check(!after.empty() && (exact == 0 || (exact == 1 && after == fresh)) && kl <= 1.5 * kl_div(fresh, plain),
+            "buffer: a sequence loaded over another's spares: the other's cut-back (exact rows %s) is at KL %.2e <= 1.5x plain kvc4's %.2e",
             exact == 1 ? "kept" : "lost", kl, kl_div(fresh, plain));
     }
 
