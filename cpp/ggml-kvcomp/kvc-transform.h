@@ -26,10 +26,9 @@ extern "C" {
 #define KVC_T_MAX_BITS 8   // bits of one coefficient at most
 
 // The cache types GGML_TYPE_KVCT4 (4.5 bits per value), GGML_TYPE_KVCT3 (3.5) and GGML_TYPE_KVCT2
-// (2.25) count their
-// rows in blocks of QK_KVCT values: a row of d values (a multiple of QK_KVCT) is d / QK_KVCT
-// blocks' bytes, coded as one row with its plan's row_bits = bpe * d (the block is only the
-// unit of size, not of coding).
+// (2.25) count their rows in blocks of QK_KVCT values: a row of d values (a multiple of
+// QK_KVCT) is d / QK_KVCT blocks' bytes, coded as one row with its plan's row_bits = bpe * d
+// (the block is only the unit of size, not of coding).
 #define QK_KVCT 64
 
 typedef struct {

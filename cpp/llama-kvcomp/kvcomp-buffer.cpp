@@ -1200,7 +1200,7 @@ int32_t llama_kvcomp_buffer::set_k_stats(llama_kv_cache & kv, const std::shared_
                                          uint32_t n_seq_max) {
     const ggml_type type_k = kv.layers[0].k->type;
     if (!ggml_kvcomp_is_kvct(type_k)) {
-        LLAMA_LOG_INFO("kvcomp: K is %s: the K statistics are not used (they serve kvct4, kvct3 and kvct2 caches)\n", ggml_type_name(type_k));
+        LLAMA_LOG_INFO("kvcomp: K is %s: the K statistics are not used (they serve the kvct caches)\n", ggml_type_name(type_k));
         return 0;
     }
     if (kv.v_trans) {
