@@ -8,9 +8,9 @@ from typing import Literal, get_args
 from .capi import K_LAYERS_NAMES, MODE_NAMES, ModeName, mode_preset
 
 UpstreamType = Literal["f16", "q8_0", "q4_0", "iq4_nl"]
-KvcType = Literal["kvc8", "kvc4", "kvc3", "kvc2"]
+KvcType = Literal["kvc8", "kvc5", "kvc4", "kvc3", "kvc2"]
 # transform-coded K rows, plans fitted from the model's K statistics (K only)
-KvctType = Literal["kvct4", "kvct3", "kvct2"]
+KvctType = Literal["kvct5", "kvct4", "kvct3", "kvct2"]
 
 UPSTREAM_TYPES: tuple[str, ...] = get_args(UpstreamType)
 KVC_TYPES: tuple[str, ...] = get_args(KvcType)
@@ -20,8 +20,8 @@ ALL_TYPES: tuple[str, ...] = UPSTREAM_TYPES + KVC_TYPES + KVCT_TYPES
 # Bits per element from each type's block: (block bytes * 8) / block values.
 BITS_PER_ELEMENT: dict[str, float] = {
     "f16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "iq4_nl": 4.5,
-    "kvc8": 8.5, "kvc4": 4.5, "kvc3": 3.5, "kvc2": 2.5,
-    "kvct4": 4.5, "kvct3": 3.5, "kvct2": 2.25,
+    "kvc8": 8.5, "kvc5": 5.5, "kvc4": 4.5, "kvc3": 3.5, "kvc2": 2.5,
+    "kvct5": 5.5, "kvct4": 4.5, "kvct3": 3.5, "kvct2": 2.25,
 }
 
 

@@ -36,7 +36,7 @@ def _ppl(bins: Path, model: Path, text: Path, *extra: str) -> tuple[int, str, fl
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("kv", ["kvc8", "kvc4", "kvc3", "kvc2"])
+@pytest.mark.parametrize("kv", ["kvc8", "kvc5", "kvc4", "kvc3", "kvc2"])
 def test_supported_head_sizes(bins: Path, text: Path, tiny_models: dict[int, Path], head_dim: int, kv: str) -> None:
     m = tiny_models[head_dim]
     rc, out, ref = _ppl(bins, m, text, "-fa", "on")

@@ -24,7 +24,7 @@ def test_calibrate_writes_statistics(bins: Path, model: Path, tmp_path: Path) ->
     assert head == b"GGUF"
 
 
-@pytest.mark.parametrize("type_kvct, type_kvc", [("kvct4", "kvc4"), ("kvct2", "kvc2")])
+@pytest.mark.parametrize("type_kvct, type_kvc", [("kvct5", "kvc5"), ("kvct4", "kvc4"), ("kvct2", "kvc2")])
 def test_kvct_beats_kvc_at_no_more_bits(bins: Path, model: Path, text: Path, type_kvct: str, type_kvc: str) -> None:
     # Same text, context and V for both; the statistics come from the corpus's end, which
     # these 4 chunks of 256 tokens from its start do not reach. The transform-coded K

@@ -45,10 +45,10 @@ def test_kv_size_line_matches_format(bins: Path, model: Path, text: Path, kv: st
 
 def test_kld_ordering(bins: Path, model: Path, text: Path) -> None:
     settings = perplexity.RunSettings(model=model, corpus=text, ctx=512, chunks=3, threads=2)
-    res = {c: perplexity.run_kld(KvConfig.parse(c), settings) for c in ("f16", "q4_0", "kvc8", "kvc4", "kvc2")}
+    res = {c: perplexity.run_kld(KvConfig.parse(c), settings) for c in ("f16", "q4_0", "kvc8", "kvc5", "kvc4", "kvc2")}
     assert abs(res["f16"].kld_mean) < 1e-4
     assert res["f16"].ppl_ratio == pytest.approx(1.0, abs=1e-3)
-    assert res["kvc8"].kld_mean < res["kvc4"].kld_mean < res["kvc2"].kld_mean
+    assert res["kvc8"].kld_mean < res["kvc5"].kld_mean < res["kvc4"].kld_mean < res["kvc2"].kld_mean
     # the 4.5-bpe format must keep its lead over upstream's 4.5-bpe q4_0 on real rows
     assert res["kvc4"].kld_mean < res["q4_0"].kld_mean
     assert res["kvc8"].kld_mean < 0.01

@@ -9,21 +9,33 @@
 extern "C" {
 #endif
 
-// The kvc types occupy GGML_TYPE_KVC8 .. GGML_TYPE_KVC2 contiguously.
+// The kvc types: GGML_TYPE_KVC8 .. GGML_TYPE_KVC2, and GGML_TYPE_KVC5, added after the kvct
+// types (a type's number never changes: an rpc-server knows the types below the count it
+// says, and state files name their types by number).
 #define GGML_KVCOMP_TYPE_FIRST GGML_TYPE_KVC8
 #define GGML_KVCOMP_TYPE_LAST  GGML_TYPE_KVC2
 
-// The transform-coded K types (docs/formats.md, "kvct"), GGML_TYPE_KVCT4 .. GGML_TYPE_KVCT2:
+static inline bool ggml_kvcomp_is_kvc(enum ggml_type t) {
+    return (t >= GGML_KVCOMP_TYPE_FIRST && t <= GGML_KVCOMP_TYPE_LAST) || t == GGML_TYPE_KVC5;
+}
+
+// The transform-coded K types (docs/formats.md, "kvct"), GGML_TYPE_KVCT4 .. GGML_TYPE_KVCT5:
 // a row is one KV head's d values coded with a plan of that layer and head, so no kernel can
 // read or write one without the plans. A node that does (SET_ROWS into such a cache, the
 // FLASH_ATTN_EXT that reads it) carries them as a source (ggml_kvct_set_plans): an I8 tensor
 // of one kvc_t_plan (kvc-transform.h) per KV head and the layer's kvc_t_rope. Only the CPU
 // backend runs such nodes.
 #define GGML_KVCOMP_KVCT_FIRST GGML_TYPE_KVCT4
-#define GGML_KVCOMP_KVCT_LAST  GGML_TYPE_KVCT2
+#define GGML_KVCOMP_KVCT_LAST  GGML_TYPE_KVCT5
 
 static inline bool ggml_kvcomp_is_kvct(enum ggml_type t) {
     return t >= GGML_KVCOMP_KVCT_FIRST && t <= GGML_KVCOMP_KVCT_LAST;
+}
+
+// Types whose kernels exist for the CPU backend only (kvct, kvc5; issue 21): a cache of one
+// lives in host memory, or on an rpc-server of this build.
+static inline bool ggml_kvcomp_is_cpu_only(enum ggml_type t) {
+    return ggml_kvcomp_is_kvct(t) || t == GGML_TYPE_KVC5;
 }
 
 // Returns GGML_TYPE_COUNT when the name is not a kvc or kvct type.

@@ -29,6 +29,15 @@ typedef struct {
 } block_kvc8;
 static_assert(sizeof(block_kvc8) == sizeof(uint16_t) + QK_KVC, "wrong kvc8 block size/padding");
 
+// 5.5 bits per value: 32 levels; the low four bits of a code sit as kvc4's, the fifth bit of
+// value i in qh[i / 8] at bit i % 8.
+typedef struct {
+    uint8_t e[2];
+    uint8_t qs[QK_KVC / 2];
+    uint8_t qh[QK_KVC / 8];
+} block_kvc5;
+static_assert(sizeof(block_kvc5) == 2 + QK_KVC / 2 + QK_KVC / 8, "wrong kvc5 block size/padding");
+
 // 4.5 bits per value: 16 levels; qs[j] holds value j (low nibble) and value j + 16 (high nibble).
 typedef struct {
     uint8_t e[2];           // log-domain steps of the two sub-blocks
@@ -53,11 +62,14 @@ typedef struct {
 static_assert(sizeof(block_kvc2) == 2 + QK_KVC / 4, "wrong kvc2 block size/padding");
 
 // The shared low-bit quantizer writes the two step codes at the start of every block.
-static_assert(offsetof(block_kvc4, e) == 0 && offsetof(block_kvc3, e) == 0 && offsetof(block_kvc2, e) == 0,
+static_assert(offsetof(block_kvc5, e) == 0 && offsetof(block_kvc4, e) == 0 && offsetof(block_kvc3, e) == 0 &&
+              offsetof(block_kvc2, e) == 0,
               "kvc low-bit blocks must start with their step codes");
 
 // Level tables in units of the sub-block step (Lloyd-Max levels of a unit Gaussian, scaled so
 // the outermost level is 127), spelled once for the C tables and the GPU kernels.
+#define KVC_LEVELS_KVC5 { -127, -105, -90, -79, -70, -62, -54, -47, -41, -35, -29, -24, -18, -13, -8, -3, \
+                           3, 8, 13, 18, 24, 29, 35, 41, 47, 54, 62, 70, 79, 90, 105, 127 }
 #define KVC_LEVELS_KVC4 { -127, -96, -75, -58, -44, -31, -18, -6, 6, 18, 31, 44, 58, 75, 96, 127 }
 #define KVC_LEVELS_KVC3 { -127, -79, -45, -14, 14, 45, 79, 127 }
 #define KVC_LEVELS_KVC2 { -127, -38, 38, 127 }
@@ -67,6 +79,7 @@ static_assert(offsetof(block_kvc4, e) == 0 && offsetof(block_kvc3, e) == 0 && of
 #define KVC_SEARCH_DOWN 12
 #define KVC_SEARCH_UP   1
 
+extern const int8_t kvalues_kvc5[32];
 extern const int8_t kvalues_kvc4[16];
 extern const int8_t kvalues_kvc3[8];
 extern const int8_t kvalues_kvc2[4];
@@ -90,7 +103,7 @@ static inline float kvc_e8_to_fp32(uint8_t e) {
 typedef struct {
     const int8_t * levels;
     int            n;
-    float          mid[15];   // decision thresholds between neighbouring levels
+    float          mid[31];   // decision thresholds between neighbouring levels
     int            zero_code; // code of the level with the smallest magnitude
 } kvc_codebook;
 
@@ -124,17 +137,19 @@ static inline int kvc_nearest(const kvc_codebook * cb, float v) {
 typedef void (*kvc_sub_errors_t)(const kvc_codebook * cb, const float * v, int n, const float * d, const float * id,
                                  int n_cand, float * err);
 
-// The low-bit quantizers (kvc4, kvc3, kvc2) with the given error function (NULL: the
+// The low-bit quantizers (kvc5, kvc4, kvc3, kvc2) with the given error function (NULL: the
 // reference's); quantize_row_<t>_ref is this with NULL.
 GGML_API void kvc_quantize_row_lowbit(enum ggml_type type, const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k,
                                       kvc_sub_errors_t errors);
 
 GGML_API void quantize_row_kvc8_ref(const float * GGML_RESTRICT x, block_kvc8 * GGML_RESTRICT y, int64_t k);
+GGML_API void quantize_row_kvc5_ref(const float * GGML_RESTRICT x, block_kvc5 * GGML_RESTRICT y, int64_t k);
 GGML_API void quantize_row_kvc4_ref(const float * GGML_RESTRICT x, block_kvc4 * GGML_RESTRICT y, int64_t k);
 GGML_API void quantize_row_kvc3_ref(const float * GGML_RESTRICT x, block_kvc3 * GGML_RESTRICT y, int64_t k);
 GGML_API void quantize_row_kvc2_ref(const float * GGML_RESTRICT x, block_kvc2 * GGML_RESTRICT y, int64_t k);
 
 GGML_API void dequantize_row_kvc8(const block_kvc8 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+GGML_API void dequantize_row_kvc5(const block_kvc5 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
 GGML_API void dequantize_row_kvc4(const block_kvc4 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
 GGML_API void dequantize_row_kvc3(const block_kvc3 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
 GGML_API void dequantize_row_kvc2(const block_kvc2 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
@@ -172,21 +187,25 @@ GGML_API bool ggml_validate_row_data_kvc(enum ggml_type type, const void * data,
     GGML_KVCOMP_TYPE_TRAIT(kvc2, KVC2),     \
     GGML_KVCOMP_KVCT_TRAIT(kvct4, KVCT4),   \
     GGML_KVCOMP_KVCT_TRAIT(kvct3, KVCT3),   \
-    GGML_KVCOMP_KVCT_TRAIT(kvct2, KVCT2)
+    GGML_KVCOMP_KVCT_TRAIT(kvct2, KVCT2),   \
+    GGML_KVCOMP_KVCT_TRAIT(kvct5, KVCT5),   \
+    GGML_KVCOMP_TYPE_TRAIT(kvc5, KVC5)
 
 // Case labels for upstream switches that list the quantized types.
 #define GGML_KVCOMP_TYPE_CASES \
     case GGML_TYPE_KVC8:       \
     case GGML_TYPE_KVC4:       \
     case GGML_TYPE_KVC3:       \
-    case GGML_TYPE_KVC2
+    case GGML_TYPE_KVC2:       \
+    case GGML_TYPE_KVC5
 
 // ... and for the switches that also take the kvct types (ggml_validate_row_data)
 #define GGML_KVCOMP_ALL_TYPE_CASES \
     GGML_KVCOMP_TYPE_CASES:        \
     case GGML_TYPE_KVCT4:          \
     case GGML_TYPE_KVCT3:          \
-    case GGML_TYPE_KVCT2
+    case GGML_TYPE_KVCT2:          \
+    case GGML_TYPE_KVCT5
 
 #ifdef __cplusplus
 }

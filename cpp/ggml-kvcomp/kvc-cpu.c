@@ -26,7 +26,7 @@ KVC_NO_FP_CONTRACT
 static void kvc_sub_errors_avx2(const kvc_codebook * cb, const float * v, int n, const float * d, const float * id,
                                 int n_cand, float * err) {
     KVC_NO_FP_CONTRACT_BODY
-    float lv[16] = { 0 };
+    float lv[32] = { 0 };
     for (int j = 0; j < cb->n; ++j) {
         lv[j] = cb->levels[j];
     }
@@ -47,10 +47,14 @@ static void kvc_sub_errors_avx2(const kvc_codebook * cb, const float * v, int n,
             for (int j = 0; j + 1 < cb->n; ++j) {
                 c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(t, _mm256_set1_ps(cb->mid[j]), _CMP_GT_OQ)));
             }
-            __m256 level = _mm256_permutevar8x32_ps(lo, c);
-            if (cb->n > 8) {
+            __m256 level;
+            if (cb->n > 16) {
+                level = _mm256_i32gather_ps(lv, c, 4);
+            } else if (cb->n > 8) {
                 const __m256 upper = _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7)));
-                level = _mm256_blendv_ps(level, _mm256_permutevar8x32_ps(hi, c), upper);
+                level = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, c), _mm256_permutevar8x32_ps(hi, c), upper);
+            } else {
+                level = _mm256_permutevar8x32_ps(lo, c);
             }
             const __m256 diff = _mm256_sub_ps(vi, _mm256_mul_ps(vd, level));
             acc = _mm256_add_ps(acc, _mm256_mul_ps(diff, diff));
@@ -73,7 +77,7 @@ static void kvc_sub_errors_avx512(const kvc_codebook * cb, const float * v, int 
     while ((1 << n_bits) < cb->n) {
         ++n_bits;
     }
-    if ((1 << n_bits) != cb->n) {
+    if ((1 << n_bits) != cb->n || cb->n > 16) {
         kvc_sub_errors_avx2(cb, v, n, d, id, n_cand, err);
         return;
     }
@@ -113,6 +117,10 @@ static void kvc_sub_errors_avx512(const kvc_codebook * cb, const float * v, int 
 #else
 #define KVC_SUB_ERRORS NULL
 #endif
+
+void quantize_row_kvc5(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC5, x, y, k, KVC_SUB_ERRORS);
+}
 
 void quantize_row_kvc4(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
     kvc_quantize_row_lowbit(GGML_TYPE_KVC4, x, y, k, KVC_SUB_ERRORS);
@@ -165,7 +173,14 @@ void * ggml_kvc_cpu_get_proc_address(const char * name) {
     const block_q8_0   * GGML_RESTRICT y = (const block_q8_0 *) vy
 
 // Scalar reference. The low-bit types decode each block into int8 level values first, so
-// all four share one integer dot product with two sub-block steps.
+// all of them share one integer dot product with two sub-block steps.
+
+static inline void kvc_decode_kvc5(const block_kvc5 * b, int8_t v[QK_KVC]) {
+    for (int i = 0; i < QK_KVC; ++i) {
+        const int c = ((b->qs[i % 16] >> (4 * (i / 16))) & 0xf) | ((b->qh[i / 8] >> (i % 8)) & 1) << 4;
+        v[i] = kvalues_kvc5[c];
+    }
+}
 
 static inline void kvc_decode_kvc4(const block_kvc4 * b, int8_t v[QK_KVC]) {
     for (int j = 0; j < QK_KVC / 2; ++j) {
@@ -210,6 +225,7 @@ void ggml_vec_dot_##name##_q8_0_generic(int n, float * GGML_RESTRICT s, size_t b
     *s = sumf;                                                                                        \
 }
 
+KVC_VEC_DOT_GENERIC(kvc5)
 KVC_VEC_DOT_GENERIC(kvc4)
 KVC_VEC_DOT_GENERIC(kvc3)
 KVC_VEC_DOT_GENERIC(kvc2)
@@ -238,6 +254,7 @@ static void fn##_multi(int n, float * GGML_RESTRICT s, const void * GGML_RESTRIC
 }
 
 KVC_VEC_DOT_MULTI_LOOP(ggml_vec_dot_kvc8_q8_0_generic)
+KVC_VEC_DOT_MULTI_LOOP(ggml_vec_dot_kvc5_q8_0_generic)
 KVC_VEC_DOT_MULTI_LOOP(ggml_vec_dot_kvc4_q8_0_generic)
 KVC_VEC_DOT_MULTI_LOOP(ggml_vec_dot_kvc3_q8_0_generic)
 KVC_VEC_DOT_MULTI_LOOP(ggml_vec_dot_kvc2_q8_0_generic)
@@ -258,7 +275,7 @@ static inline void kvc_vec_dot_multi_##name##_avx2(int n, float * GGML_RESTRICT 
                                                    const void * GGML_RESTRICT vy, size_t by, int ny) { \
     assert(n % QK_KVC == 0 && ny <= GGML_KVC_DOT_MULTI_MAX);                                          \
     const block_##name * GGML_RESTRICT x = (const block_##name *) vx;                                 \
-    const __m256i lut = kvc_lut_avx2(kvalues_##name, n_levels);                                       \
+    const kvc_lut lut = kvc_lut_avx2(kvalues_##name, n_levels);                                       \
     const int nb = n / QK_KVC;                                                                        \
     __m256 acc[GGML_KVC_DOT_MULTI_MAX];                                                               \
     for (int ib0 = 0; ib0 < nb; ib0 += KVC_DOT_CHUNK) {                                               \
@@ -266,7 +283,7 @@ static inline void kvc_vec_dot_multi_##name##_avx2(int n, float * GGML_RESTRICT 
         __m256i v[KVC_DOT_CHUNK], av[KVC_DOT_CHUNK];                                                  \
         float   d0[KVC_DOT_CHUNK], d1[KVC_DOT_CHUNK];                                                 \
         for (int c = 0; c < nc; ++c) {                                                                \
-            v[c]  = _mm256_shuffle_epi8(lut, name##_codes_avx2(&x[ib0 + c]));                         \
+            v[c]  = kvc_lookup_avx2(lut, name##_codes_avx2(&x[ib0 + c]), n_levels);                   \
             av[c] = _mm256_sign_epi8(v[c], v[c]);                                                     \
             d0[c] = kvc_e8_to_fp32(x[ib0 + c].e[0]);                                                  \
             d1[c] = kvc_e8_to_fp32(x[ib0 + c].e[1]);                                                  \
@@ -286,6 +303,7 @@ static inline void kvc_vec_dot_multi_##name##_avx2(int n, float * GGML_RESTRICT 
     }                                                                                                 \
 }
 
+KVC_VEC_DOT_MULTI_AVX2(kvc5, 32)
 KVC_VEC_DOT_MULTI_AVX2(kvc4, 16)
 KVC_VEC_DOT_MULTI_AVX2(kvc3, 8)
 KVC_VEC_DOT_MULTI_AVX2(kvc2, 4)
@@ -329,6 +347,7 @@ void ggml_vec_dot_##name##_q8_0(int n, float * GGML_RESTRICT s, size_t bs,      
 }
 
 KVC_VEC_DOT_AVX2(kvc8)
+KVC_VEC_DOT_AVX2(kvc5)
 KVC_VEC_DOT_AVX2(kvc4)
 KVC_VEC_DOT_AVX2(kvc3)
 KVC_VEC_DOT_AVX2(kvc2)
@@ -356,13 +375,14 @@ static inline void kvc_store_levels_avx2(float * y, __m256i v, float d0, float d
 static void kvc_to_float_##name##_avx2(const void * GGML_RESTRICT vx, float * GGML_RESTRICT y, int64_t k) { \
     assert(k % QK_KVC == 0);                                                                          \
     const block_##name * GGML_RESTRICT x = (const block_##name *) vx;                                 \
-    const __m256i lut = kvc_lut_avx2(kvalues_##name, n_levels);                                       \
+    const kvc_lut lut = kvc_lut_avx2(kvalues_##name, n_levels);                                       \
     for (int64_t ib = 0; ib < k / QK_KVC; ++ib) {                                                     \
-        kvc_store_levels_avx2(y + ib * QK_KVC, _mm256_shuffle_epi8(lut, name##_codes_avx2(&x[ib])),   \
+        kvc_store_levels_avx2(y + ib * QK_KVC, kvc_lookup_avx2(lut, name##_codes_avx2(&x[ib]), n_levels), \
                               kvc_e8_to_fp32(x[ib].e[0]), kvc_e8_to_fp32(x[ib].e[1]));                \
     }                                                                                                 \
 }
 
+KVC_TO_FLOAT_AVX2(kvc5, 32)
 KVC_TO_FLOAT_AVX2(kvc4, 16)
 KVC_TO_FLOAT_AVX2(kvc3, 8)
 KVC_TO_FLOAT_AVX2(kvc2, 4)
@@ -381,6 +401,7 @@ static void kvc_to_float_kvc8_avx2(const void * GGML_RESTRICT vx, float * GGML_R
 ggml_to_float_t ggml_kvc_cpu_get_to_float(enum ggml_type type) {
     switch (type) {
         case GGML_TYPE_KVC8: return kvc_to_float_kvc8_avx2;
+        case GGML_TYPE_KVC5: return kvc_to_float_kvc5_avx2;
         case GGML_TYPE_KVC4: return kvc_to_float_kvc4_avx2;
         case GGML_TYPE_KVC3: return kvc_to_float_kvc3_avx2;
         case GGML_TYPE_KVC2: return kvc_to_float_kvc2_avx2;
@@ -403,6 +424,7 @@ void ggml_vec_dot_##name##_q8_0(int n, float * GGML_RESTRICT s, size_t bs,      
 }
 
 KVC_VEC_DOT_FALLBACK(kvc8)
+KVC_VEC_DOT_FALLBACK(kvc5)
 KVC_VEC_DOT_FALLBACK(kvc4)
 KVC_VEC_DOT_FALLBACK(kvc3)
 KVC_VEC_DOT_FALLBACK(kvc2)
@@ -412,6 +434,7 @@ KVC_VEC_DOT_FALLBACK(kvc2)
 ggml_kvc_vec_dot_multi_t ggml_kvc_cpu_get_vec_dot_multi(enum ggml_type type, bool ref) {
     switch (type) {
         case GGML_TYPE_KVC8: return ref ? ggml_vec_dot_kvc8_q8_0_generic_multi : KVC_VEC_DOT_MULTI(kvc8);
+        case GGML_TYPE_KVC5: return ref ? ggml_vec_dot_kvc5_q8_0_generic_multi : KVC_VEC_DOT_MULTI(kvc5);
         case GGML_TYPE_KVC4: return ref ? ggml_vec_dot_kvc4_q8_0_generic_multi : KVC_VEC_DOT_MULTI(kvc4);
         case GGML_TYPE_KVC3: return ref ? ggml_vec_dot_kvc3_q8_0_generic_multi : KVC_VEC_DOT_MULTI(kvc3);
         case GGML_TYPE_KVC2: return ref ? ggml_vec_dot_kvc2_q8_0_generic_multi : KVC_VEC_DOT_MULTI(kvc2);

@@ -10,6 +10,7 @@ extern "C" {
 #endif
 
 GGML_BACKEND_API void quantize_row_kvc8(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+GGML_BACKEND_API void quantize_row_kvc5(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 GGML_BACKEND_API void quantize_row_kvc4(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 GGML_BACKEND_API void quantize_row_kvc3(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 GGML_BACKEND_API void quantize_row_kvc2(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
@@ -23,6 +24,7 @@ GGML_BACKEND_API void quantize_row_kvc2(const float * GGML_RESTRICT x, void * GG
             const void * GGML_RESTRICT vx, size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
 
 GGML_KVCOMP_DECLARE_VEC_DOT(kvc8)
+GGML_KVCOMP_DECLARE_VEC_DOT(kvc5)
 GGML_KVCOMP_DECLARE_VEC_DOT(kvc4)
 GGML_KVCOMP_DECLARE_VEC_DOT(kvc3)
 GGML_KVCOMP_DECLARE_VEC_DOT(kvc2)
@@ -100,7 +102,8 @@ GGML_BACKEND_API void * ggml_kvc_cpu_get_proc_address(const char * name);
     GGML_KVCOMP_CPU_TYPE_TRAIT(kvc8, KVC8),     \
     GGML_KVCOMP_CPU_TYPE_TRAIT(kvc4, KVC4),     \
     GGML_KVCOMP_CPU_TYPE_TRAIT(kvc3, KVC3),     \
-    GGML_KVCOMP_CPU_TYPE_TRAIT(kvc2, KVC2)
+    GGML_KVCOMP_CPU_TYPE_TRAIT(kvc2, KVC2),     \
+    GGML_KVCOMP_CPU_TYPE_TRAIT(kvc5, KVC5)
 
 #ifdef __cplusplus
 }

@@ -65,10 +65,6 @@ inline void kvc_prefetch(const void * p) {
 #endif
 }
 
-bool is_kvc(ggml_type t) {
-    return t >= GGML_KVCOMP_TYPE_FIRST && t <= GGML_KVCOMP_TYPE_LAST;
-}
-
 typedef void (*row_to_f32_t)(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n);
 
 void row_f32(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
@@ -586,7 +582,7 @@ void dec_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, 
     dec_state           st;
     bool                q8 = false;
     for (int is = 0; is < KVC_FA_N_SRC; ++is) {
-        q8 |= a.k[is].n > 0 && is_kvc(a.k[is].type);
+        q8 |= a.k[is].n > 0 && ggml_kvcomp_is_kvc(a.k[is].type);
     }
 
     for (int64_t g = 0; g < gn; ++g) {
@@ -987,7 +983,7 @@ bool fits(const ggml_tensor * q, const ggml_tensor * k, const ggml_tensor * v) {
 // a node these kernels run: it reads a kvc or kvct cache or a second, exact source
 bool ours(const ggml_tensor * dst) {
     const ggml_tensor * k = dst->src[1];
-    return dst->src[GGML_KVCOMP_FA_SRC_K_EXACT] || is_kvc(k->type) || is_kvc(dst->src[2]->type) ||
+    return dst->src[GGML_KVCOMP_FA_SRC_K_EXACT] || ggml_kvcomp_is_kvc(k->type) || ggml_kvcomp_is_kvc(dst->src[2]->type) ||
            ggml_kvcomp_is_kvct(k->type);
 }
 

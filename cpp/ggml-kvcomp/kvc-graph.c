@@ -83,9 +83,11 @@ bool ggml_kvcomp_dev_supports_op(struct ggml_backend_device * dev, const struct 
     if (!ggml_kvcomp_dev_knows(dev, op)) {
         return false;
     }
-    const bool kvct = (op->op == GGML_OP_SET_ROWS && ggml_kvcomp_is_kvct(op->type)) ||
-                      (op->op == GGML_OP_FLASH_ATTN_EXT && ggml_kvcomp_is_kvct(op->src[1]->type));
-    if (!ggml_flash_attn_ext_has_exact(op) && !kvct) {
+    bool cpu_only = ggml_kvcomp_is_cpu_only(op->type);
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        cpu_only |= op->src[i] && ggml_kvcomp_is_cpu_only(op->src[i]->type);
+    }
+    if (!ggml_flash_attn_ext_has_exact(op) && !cpu_only) {
         return true;
     }
     return ggml_kvcomp_dev_cpu_kernels(dev);

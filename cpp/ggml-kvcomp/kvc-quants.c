@@ -6,6 +6,7 @@
 #include <math.h>
 #include <string.h>
 
+const int8_t kvalues_kvc5[32] = KVC_LEVELS_KVC5;
 const int8_t kvalues_kvc4[16] = KVC_LEVELS_KVC4;
 const int8_t kvalues_kvc3[8]  = KVC_LEVELS_KVC3;
 const int8_t kvalues_kvc2[4]  = KVC_LEVELS_KVC2;
@@ -163,20 +164,36 @@ void quantize_row_kvc8_ref(const float * GGML_RESTRICT x, block_kvc8 * GGML_REST
 // Packs the codes of one block into its type's layout (the steps are written by the caller).
 typedef void (*kvc_pack_t)(const uint8_t codes[QK_KVC], void * block);
 
-static void kvc_pack_kvc4(const uint8_t codes[QK_KVC], void * block) {
-    block_kvc4 * b = (block_kvc4 *) block;
+// Packs the low four bits of 32 codes: value j in the low nibble of byte j, value j + 16 in
+// its high nibble.
+static void kvc_pack4(const uint8_t codes[QK_KVC], uint8_t q[QK_KVC / 2]) {
     for (int j = 0; j < QK_KVC / 2; ++j) {
-        b->qs[j] = (uint8_t) (codes[j] | codes[j + QK_KVC / 2] << 4);
+        q[j] = (uint8_t) ((codes[j] & 0xf) | (codes[j + QK_KVC / 2] & 0xf) << 4);
     }
+}
+
+// Packs bit `bit` of 32 codes: value i's in byte i / 8, at bit i % 8.
+static void kvc_pack_bit(const uint8_t codes[QK_KVC], int bit, uint8_t q[QK_KVC / 8]) {
+    memset(q, 0, QK_KVC / 8);
+    for (int i = 0; i < QK_KVC; ++i) {
+        q[i / 8] |= (uint8_t) (((codes[i] >> bit) & 1) << (i % 8));
+    }
+}
+
+static void kvc_pack_kvc5(const uint8_t codes[QK_KVC], void * block) {
+    block_kvc5 * b = (block_kvc5 *) block;
+    kvc_pack4(codes, b->qs);
+    kvc_pack_bit(codes, 4, b->qh);
+}
+
+static void kvc_pack_kvc4(const uint8_t codes[QK_KVC], void * block) {
+    kvc_pack4(codes, ((block_kvc4 *) block)->qs);
 }
 
 static void kvc_pack_kvc3(const uint8_t codes[QK_KVC], void * block) {
     block_kvc3 * b = (block_kvc3 *) block;
     kvc_pack2(codes, b->ql);
-    memset(b->qh, 0, sizeof(b->qh));
-    for (int i = 0; i < QK_KVC; ++i) {
-        b->qh[i / 8] |= (uint8_t) (((codes[i] >> 2) & 1) << (i % 8));
-    }
+    kvc_pack_bit(codes, 2, b->qh);
 }
 
 static void kvc_pack_kvc2(const uint8_t codes[QK_KVC], void * block) {
@@ -191,6 +208,7 @@ void kvc_quantize_row_lowbit(enum ggml_type type, const float * GGML_RESTRICT x,
     size_t       block_size;
     kvc_pack_t   pack;
     switch (type) {
+        case GGML_TYPE_KVC5: kvc_codebook_init(&cb, kvalues_kvc5, 32); block_size = sizeof(block_kvc5); pack = kvc_pack_kvc5; break;
         case GGML_TYPE_KVC4: kvc_codebook_init(&cb, kvalues_kvc4, 16); block_size = sizeof(block_kvc4); pack = kvc_pack_kvc4; break;
         case GGML_TYPE_KVC3: kvc_codebook_init(&cb, kvalues_kvc3,  8); block_size = sizeof(block_kvc3); pack = kvc_pack_kvc3; break;
         case GGML_TYPE_KVC2: kvc_codebook_init(&cb, kvalues_kvc2,  4); block_size = sizeof(block_kvc2); pack = kvc_pack_kvc2; break;
@@ -207,6 +225,10 @@ void kvc_quantize_row_lowbit(enum ggml_type type, const float * GGML_RESTRICT x,
         block[1] = kvc_quantize_sub(&cb, x + b * QK_KVC + QK_KVC_SUB, QK_KVC_SUB, codes + QK_KVC_SUB, errors);
         pack(codes, block);
     }
+}
+
+void quantize_row_kvc5_ref(const float * GGML_RESTRICT x, block_kvc5 * GGML_RESTRICT y, int64_t k) {
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC5, x, y, k, NULL);
 }
 
 void quantize_row_kvc4_ref(const float * GGML_RESTRICT x, block_kvc4 * GGML_RESTRICT y, int64_t k) {
@@ -227,6 +249,21 @@ void dequantize_row_kvc8(const block_kvc8 * GGML_RESTRICT x, float * GGML_RESTRI
         const float d = GGML_FP16_TO_FP32(x[b].d);
         for (int i = 0; i < QK_KVC; ++i) {
             y[b * QK_KVC + i] = d * x[b].qs[i];
+        }
+    }
+}
+
+void dequantize_row_kvc5(const block_kvc5 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_KVC == 0);
+    for (int64_t b = 0; b < k / QK_KVC; ++b) {
+        const float d0 = kvc_e8_to_fp32(x[b].e[0]);
+        const float d1 = kvc_e8_to_fp32(x[b].e[1]);
+        const uint8_t * qh = x[b].qh;
+        float * yb = y + b * QK_KVC;
+        for (int j = 0; j < QK_KVC / 2; ++j) {
+            const int q = x[b].qs[j];
+            yb[j]              = d0 * kvalues_kvc5[(q & 0xf) | ((qh[j / 8]     >> (j % 8)) & 1) << 4];
+            yb[j + QK_KVC / 2] = d1 * kvalues_kvc5[(q >> 4)  | ((qh[j / 8 + 2] >> (j % 8)) & 1) << 4];
         }
     }
 }
@@ -279,7 +316,7 @@ void dequantize_row_kvc2(const block_kvc2 * GGML_RESTRICT x, float * GGML_RESTRI
 }
 
 enum ggml_type ggml_kvcomp_type_from_name(const char * name) {
-    for (int t = GGML_KVCOMP_TYPE_FIRST; t <= GGML_KVCOMP_KVCT_LAST; ++t) {
+    for (int t = GGML_KVCOMP_TYPE_FIRST; t < GGML_TYPE_COUNT; ++t) {
         if (strcmp(name, ggml_type_name((enum ggml_type) t)) == 0) {
             return (enum ggml_type) t;
         }

@@ -47,22 +47,29 @@ static inline __m256i kvc_unpack2_avx2(const uint8_t * q) {
     return _mm256_and_si256(v, _mm256_set1_epi8(3));
 }
 
-// Bit i of 32 bits spread to byte i as 0 or 4.
-static inline __m256i kvc_unpack_bit2_avx2(const uint8_t * q) {
+// Bit i of 32 bits spread to byte i as 0 or `value`.
+static inline __m256i kvc_unpack_bit_avx2(const uint8_t * q, char value) {
     uint32_t u;
     memcpy(&u, q, sizeof(u));
     const __m256i idx  = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
     const __m256i bits = _mm256_set1_epi64x((long long) 0x8040201008040201ULL);
     const __m256i b    = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int) u), idx), bits);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(b, bits), _mm256_set1_epi8(4));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(b, bits), _mm256_set1_epi8(value));
 }
 
-// The levels as a shuffle table, loaded straight from the array: a copy through the stack (an
-// 8-byte store read back as 16 bytes) cannot be forwarded and stalled every row's conversion,
-// a third of kvc3's in a decode step.
-static inline __m256i kvc_lut_avx2(const int8_t * levels, int n) {
+// The levels as shuffle tables (hi: levels 16-31, for kvc5's 32), loaded straight from the
+// array: a copy through the stack (an 8-byte store read back as 16 bytes) cannot be
+// forwarded and stalled every row's conversion, a third of kvc3's in a decode step.
+typedef struct {
+    __m256i lo;
+    __m256i hi;
+} kvc_lut;
+
+static inline kvc_lut kvc_lut_avx2(const int8_t * levels, int n) {
+    kvc_lut lut;
+    lut.hi = n == 32 ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) (levels + 16))) : _mm256_setzero_si256();
     __m128i t;
-    if (n == 16) {
+    if (n >= 16) {
         t = _mm_loadu_si128((const __m128i *) levels);
     } else if (n == 8) {
         t = _mm_loadl_epi64((const __m128i *) levels);
@@ -71,18 +78,37 @@ static inline __m256i kvc_lut_avx2(const int8_t * levels, int n) {
         memcpy(&w, levels, sizeof(w));
         t = _mm_cvtsi32_si128(w);
     }
-    return _mm256_broadcastsi128_si256(t);
+    lut.lo = _mm256_broadcastsi128_si256(t);
+    return lut;
+}
+
+// The level bytes of 32 codes of a type with n levels (a constant where it is called).
+static inline __m256i kvc_lookup_avx2(kvc_lut lut, __m256i codes, int n) {
+    const __m256i lo = _mm256_shuffle_epi8(lut.lo, codes);
+    if (n <= 16) {
+        return lo;
+    }
+    // bit 4 of each code moved to its byte's top bit, which blendv reads
+    return _mm256_blendv_epi8(lo, _mm256_shuffle_epi8(lut.hi, codes), _mm256_slli_epi16(codes, 3));
 }
 
 // Level indices of one block, byte i = code of value i.
-static inline __m256i kvc4_codes_avx2(const block_kvc4 * b) {
-    const __m128i q  = _mm_loadu_si128((const __m128i *) b->qs);
+static inline __m256i kvc_unpack4_avx2(const uint8_t * qs) {
+    const __m128i q  = _mm_loadu_si128((const __m128i *) qs);
     const __m128i m4 = _mm_set1_epi8(0xf);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
 }
 
+static inline __m256i kvc4_codes_avx2(const block_kvc4 * b) {
+    return kvc_unpack4_avx2(b->qs);
+}
+
+static inline __m256i kvc5_codes_avx2(const block_kvc5 * b) {
+    return _mm256_or_si256(kvc_unpack4_avx2(b->qs), kvc_unpack_bit_avx2(b->qh, 16));
+}
+
 static inline __m256i kvc3_codes_avx2(const block_kvc3 * b) {
-    return _mm256_or_si256(kvc_unpack2_avx2(b->ql), kvc_unpack_bit2_avx2(b->qh));
+    return _mm256_or_si256(kvc_unpack2_avx2(b->ql), kvc_unpack_bit_avx2(b->qh, 4));
 }
 
 static inline __m256i kvc2_codes_avx2(const block_kvc2 * b) {

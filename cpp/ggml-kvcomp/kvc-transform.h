@@ -25,11 +25,16 @@ extern "C" {
 #define KVC_T_MAX_D    256 // the largest head size a plan holds
 #define KVC_T_MAX_BITS 8   // bits of one coefficient at most
 
-// The cache types GGML_TYPE_KVCT4 (4.5 bits per value), GGML_TYPE_KVCT3 (3.5) and GGML_TYPE_KVCT2
-// (2.25) count their rows in blocks of QK_KVCT values: a row of d values (a multiple of
-// QK_KVCT) is d / QK_KVCT blocks' bytes, coded as one row with its plan's row_bits = bpe * d
-// (the block is only the unit of size, not of coding).
+// The cache types GGML_TYPE_KVCT5 (5.5 bits per value), GGML_TYPE_KVCT4 (4.5), GGML_TYPE_KVCT3
+// (3.5) and GGML_TYPE_KVCT2 (2.25) count their rows in blocks of QK_KVCT values: a row of d
+// values (a multiple of QK_KVCT) is d / QK_KVCT blocks' bytes, coded as one row with its
+// plan's row_bits = bpe * d (the block is only the unit of size, not of coding).
 #define QK_KVCT 64
+
+typedef struct {
+    uint8_t qs[QK_KVCT * 11 / 16];
+} block_kvct5;
+static_assert(sizeof(block_kvct5) == QK_KVCT * 11 / 16, "wrong kvct5 block size/padding");
 
 typedef struct {
     uint8_t qs[QK_KVCT * 9 / 16];

@@ -197,7 +197,7 @@ int main() {
         for (bool neox : { false, true }) {
             for (bool steep : { false, true }) {
                 test_decoder(rep, d, neox, steep);
-                for (ggml_type t : { GGML_TYPE_KVCT4, GGML_TYPE_KVCT3, GGML_TYPE_KVCT2 }) {
+                for (ggml_type t : { GGML_TYPE_KVCT5, GGML_TYPE_KVCT4, GGML_TYPE_KVCT3, GGML_TYPE_KVCT2 }) {
                     test_coder(rep, d, neox, steep, t);
                 }
             }

@@ -24,7 +24,7 @@ using namespace kvc_test;
 
 namespace {
 
-const ggml_type TYPES[]    = { GGML_TYPE_KVC8, GGML_TYPE_KVC4, GGML_TYPE_KVC3, GGML_TYPE_KVC2 };
+const ggml_type TYPES[]    = { GGML_TYPE_KVC8, GGML_TYPE_KVC5, GGML_TYPE_KVC4, GGML_TYPE_KVC3, GGML_TYPE_KVC2 };
 const int       HEAD_DIM[] = { 64, 128, 256 };
 
 // Attention output NMSE against f32 K/V (rotation-free Gaussian data). The decode shape
@@ -34,6 +34,7 @@ double fa_bound(ggml_type t, bool decode = false) {
     switch (t) {
         case GGML_TYPE_KVC8:
         case GGML_TYPE_Q8_0: return 1e-3;
+        case GGML_TYPE_KVC5: return 5.5e-3;
         case GGML_TYPE_KVC4: return 2e-2;
         case GGML_TYPE_KVC3: return decode ? 8e-2 : 6e-2;
         case GGML_TYPE_KVC2: return decode ? 2.5e-1 : 2e-1;
@@ -138,10 +139,6 @@ void test_cpy(report & rep, ggml_type type, int d) {
     }
     const auto refh = quantize_ref(type, xh, d);
     rep.check(memcmp(qh->data, refh.data(), refh.size()) == 0, "CPY f16->%s d=%3d bytes equal the reference", ggml_type_name(type), d);
-}
-
-bool is_kvc_type(ggml_type t) {
-    return t >= GGML_KVCOMP_TYPE_FIRST && t <= GGML_KVCOMP_TYPE_LAST;
 }
 
 // The queries rounded to q8_0 where the decode kernel rounds them: one query token and a
@@ -295,7 +292,7 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_s
     const auto kd = dequantize(tk, (uint8_t *) kq->data, d, n_head_kv * n_kv);
     const auto vd = dequantize(tv, (uint8_t *) vq->data, d, n_head_kv * n_kv);
     const std::vector<float> q8 = q8_rounded(q, d);
-    const int n_q8 = n_q == 1 && is_kvc_type(tk) ? n_kv : 0;
+    const int n_q8 = n_q == 1 && ggml_kvcomp_is_kvc(tk) ? n_kv : 0;
     const auto ref_deq = attention_ref(q, kd, vd, mask, d, n_q, n_kv, n_head, n_head_kv, scale, sh.softcap, ps, &q8, n_q8);
     const auto ref_f32 = attention_ref(q, k, v, mask, d, n_q, n_kv, n_head, n_head_kv, scale, sh.softcap, ps);
 
@@ -435,7 +432,7 @@ void test_flash_attn_exact(report & rep, ggml_type tk, ggml_type tv, int d, cons
         const std::vector<float> ms(mask.begin() + (size_t) st * n_q * n_keys, mask.begin() + (size_t) (st + 1) * n_q * n_keys);
         const float * ps = sh.sinks ? sinks.data() : nullptr;
         const std::vector<float> q8 = q8_rounded(qs, d);
-        const int n_q8 = n_q == 1 && is_kvc_type(tk) ? n_main : 0;
+        const int n_q8 = n_q == 1 && ggml_kvcomp_is_kvc(tk) ? n_main : 0;
         const auto w = attention_ref(qs, kall, vall, ms, d, n_q, n_keys, n_head, n_head_kv, scale, sh.softcap, ps, &q8, n_q8);
         const auto wf = attention_ref(qs, kall_f32, vall_f32, ms, d, n_q, n_keys, n_head, n_head_kv, scale, sh.softcap, ps);
         want.insert(want.end(), w.begin(), w.end());

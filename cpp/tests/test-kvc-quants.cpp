@@ -34,6 +34,7 @@ struct type_bounds {
 // search fails while float noise does not.
 const type_bounds BOUNDS[] = {
     { GGML_TYPE_KVC8, 3.6e-5, 9.0e-5, 1.4e-4, GGML_TYPE_Q8_0 },
+    { GGML_TYPE_KVC5, 2.0e-3, 2.5e-3, 2.85e-3, GGML_TYPE_Q5_0 },
     { GGML_TYPE_KVC4, 6.4e-3, 9.5e-3, 1.15e-2, GGML_TYPE_Q4_0 },
     { GGML_TYPE_KVC3, 2.65e-2, 4.9e-2, 6.0e-2, GGML_TYPE_COUNT },
     { GGML_TYPE_KVC2, 1.17e-1, 2.5e-1, 3.45e-1, GGML_TYPE_COUNT },
@@ -221,7 +222,7 @@ int main() {
     report rep;
 
     const ggml_vec_dot_t generic[] = {
-        ggml_vec_dot_kvc8_q8_0_generic, ggml_vec_dot_kvc4_q8_0_generic,
+        ggml_vec_dot_kvc8_q8_0_generic, ggml_vec_dot_kvc5_q8_0_generic, ggml_vec_dot_kvc4_q8_0_generic,
         ggml_vec_dot_kvc3_q8_0_generic, ggml_vec_dot_kvc2_q8_0_generic,
     };
     for (size_t i = 0; i < sizeof(BOUNDS) / sizeof(BOUNDS[0]); ++i) {
@@ -243,7 +244,9 @@ int main() {
     rep.check(ggml_kvc_cpu_get_vec_dot_multi(GGML_TYPE_Q8_0, false) == nullptr, "no multi-row kvc dot product for q8_0");
 
     rep.check(ggml_kvcomp_type_from_name("kvc4") == GGML_TYPE_KVC4, "type_from_name(kvc4)");
-    rep.check(ggml_kvcomp_type_from_name("kvc5") == GGML_TYPE_COUNT, "type_from_name(kvc5) is unknown");
+    rep.check(ggml_kvcomp_type_from_name("kvc5") == GGML_TYPE_KVC5 && ggml_kvcomp_type_from_name("kvct5") == GGML_TYPE_KVCT5,
+        "type_from_name(kvc5), (kvct5)");
+    rep.check(ggml_kvcomp_type_from_name("kvc6") == GGML_TYPE_COUNT, "type_from_name(kvc6) is unknown");
 
     return rep.finish("test-kvc-quants");
 }

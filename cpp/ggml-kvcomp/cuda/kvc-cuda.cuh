@@ -9,8 +9,9 @@
 
 #include "ggml-kvcomp.h"
 
+// The kvc types with CUDA kernels: kvc5 has none yet (ggml_kvcomp_is_cpu_only).
 static inline bool ggml_cuda_kvc_is_kvc(ggml_type type) {
-    return type >= GGML_KVCOMP_TYPE_FIRST && type <= GGML_KVCOMP_TYPE_LAST;
+    return ggml_kvcomp_is_kvc(type) && !ggml_kvcomp_is_cpu_only(type);
 }
 
 // Converters for convert.cu's tables (contiguous and strided sources); nullptr for other types.
