@@ -15,5 +15,5 @@ echo "building (log: $log) ..."
 scripts/build.sh >"$log" 2>&1 || { tail -n 60 "$log"; echo "build failed, see $log" >&2; exit 1; }
 venv=$(scripts/venv.sh)
 "$venv/bin/python" -m ggml_kvcomp kld --ctx 512 --chunks "${KVCOMP_CHUNKS:-16}" --threads 2 --results docs/results.md \
-    --configs f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,kvc2,low-latency,balanced,high-precision,low-latency:k1,balanced:k1 \
+    --configs f16,q8_0,q4_0,iq4_nl,kvc8,kvc5,kvc4,kvc3,kvc2,low-latency,balanced,high-precision,low-latency:k1,balanced:k1 \
     --section kld-smollm2-135m-ctx512 --frontier docs/frontier.png "$@"

@@ -140,16 +140,17 @@ def test_server_without_the_kvc_types_is_refused_by_name(bins: Path, model: Path
         assert kept.returncode == 0, (kept.stdout + kept.stderr)[-3000:]
 
 
-def test_kvct_cache_on_a_server_without_cpu_kernels_is_refused(bins: Path, model: Path, text: Path,
-                                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize(("config", "refused"), [("balanced:k1", "kvct4"), ("kvc4/kvc5", "kvc5")])
+def test_cpu_only_cache_on_a_server_without_cpu_kernels_is_refused(bins: Path, model: Path, text: Path,
+                                                                   tmp_path: Path, config: str, refused: str) -> None:
     """A server that knows every type but whose devices are not the CPU backend (what one with
-    a GPU says) cannot read kvct rows yet: refused with the reason, and -nkvo runs."""
-    kv = calibrate.kv_args(KvConfig.parse("balanced:k1"), model)
+    a GPU says) cannot read kvct or kvc5 rows yet: refused with the reason, and -nkvo runs."""
+    kv = calibrate.kv_args(KvConfig.parse(config), model)
     with rpc_servers(bins, 1, tmp_path, env={"GGML_KVCOMP_RPC_CAPS": "0x7f"}) as rpc:
         proc = _ppl(bins, model, text, kv, "--rpc", rpc.arg, "-ngl", "99", timeout=120)
         log = proc.stdout + proc.stderr
         assert proc.returncode > 0, log[-3000:]
-        assert "kvct4 caches run on the CPU backend for now" in log, log[-3000:]
+        assert f"{refused} caches run on the CPU backend for now" in log, log[-3000:]
         kept = _ppl(bins, model, text, kv, "--rpc", rpc.arg, "-ngl", "99", "-nkvo")
         assert kept.returncode == 0, (kept.stdout + kept.stderr)[-3000:]
 
