@@ -178,8 +178,8 @@ def test_ksim_measures_k_and_v_coding(bins: Path, text: Path) -> None:
     assert kld["K", "f16"] == 0.0 and kld["V", "f16"] == 0.0
     assert 0.0 < kld["K", "pre-pairs:4.5"] <= 0.5 * kld["K", "kvc4"]
     assert 0.0 < kld["V", "kvc4"] < kld["V", "kvc3"]
-    bad = subprocess.run([*args, "--kcode", "kvc5"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "unknown K coder 'kvc5'" in bad.stderr
+    bad = subprocess.run([*args, "--kcode", "kvc6"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown K coder 'kvc6'" in bad.stderr
     bad = subprocess.run([*args, "--vcode", "post-pairs:4.5"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown V coder 'post-pairs:4.5'" in bad.stderr
     # per-layer bits need their list, and a list of bits per value in range

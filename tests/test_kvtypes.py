@@ -17,7 +17,7 @@ def test_parse(spec: str, k: str, v: str, label: str) -> None:
     assert (cfg.type_k, cfg.type_v, cfg.label) == (k, v, label)
 
 
-@pytest.mark.parametrize("spec", ["kvc5", "q4_0/kvc1", "", "KVC4"])
+@pytest.mark.parametrize("spec", ["kvc6", "q4_0/kvc1", "", "KVC4"])
 def test_parse_rejects_unknown_types(spec: str) -> None:
     with pytest.raises(ValueError, match="unknown KV cache type"):
         KvConfig.parse(spec)

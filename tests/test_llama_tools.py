@@ -71,11 +71,11 @@ def test_quantized_v_without_flash_attention_is_refused(bins: Path, model: Path,
 
 @pytest.mark.parametrize("tool", ["llama-perplexity", "llama-cli", "llama-server"])
 def test_unknown_cache_type_is_refused(bins: Path, model: Path, tool: str) -> None:
-    proc = subprocess.run([str(bins / tool), "-m", str(model), "-ctk", "kvc5"], capture_output=True, text=True,
+    proc = subprocess.run([str(bins / tool), "-m", str(model), "-ctk", "kvc6"], capture_output=True, text=True,
                           timeout=60, stdin=subprocess.DEVNULL)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert "kvc5" in out and "kvc4" in out  # names the bad value and lists the allowed ones
+    assert "kvc6" in out and "kvc4" in out  # names the bad value and lists the allowed ones
 
 
 def test_llama_bench_accepts_kvc_types(bins: Path, model: Path) -> None:

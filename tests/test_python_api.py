@@ -42,7 +42,7 @@ def test_type_ids_are_the_librarys() -> None:
     assert llm.type_name(llm.type_id("kvc4")) == "kvc4"
     assert llm.type_id("f16") == 1 and llm.type_id("q8_0") == 8
     with pytest.raises(ValueError, match="unknown tensor type"):
-        llm.type_id("kvc5")
+        llm.type_id("kvc6")
 
 
 def test_llama_with_kvc_types_tracks_f16(model: Path) -> None:
