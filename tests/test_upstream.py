@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ggml_kvcomp import upstream
+from ggml_kvcomp import kvtypes, upstream
 
 GOOD = """--- a/f.txt
 +++ b/f.txt
@@ -52,15 +52,32 @@ def test_failing_patch_is_named_and_tree_untouched(tmp_path: Path) -> None:
     assert (tree / "f.txt").read_text() == "one\ntwo\n"  # the dry run came first
 
 
+def _type_entry(line: str) -> str | None:
+    """The type an added `GGML_TYPE_<NAME> [= <n>],` line lists, or None for any other line."""
+    m = re.fullmatch(r"\+\s+GGML_TYPE_(\w+)(\s*=\s*\d+)?,(\s*//.*)?", line)
+    return m.group(1).lower() if m else None
+
+
 def test_real_series_is_ordered_and_thin() -> None:
     series = upstream.patches()
     assert [p.name[:4] for p in series] == [f"{i:04d}" for i in range(1, len(series) + 1)]
+    ours = sorted([*kvtypes.KVC_TYPES, *kvtypes.KVCT_TYPES])
     for p in series:
-        added_per_hunk: list[int] = []
+        hunks: list[tuple[int, set[str]]] = []
         for line in p.read_text().splitlines():
             if line.startswith("@@"):
-                added_per_hunk.append(0)
+                hunks.append((0, set()))
             elif line.startswith("+") and not line.startswith("+++"):
-                added_per_hunk[-1] += 1
-        # a hook is an enum/table entry or a call into cpp/; logic belongs there, not in hunks
-        assert max(added_per_hunk) <= 8, f"{p.name}: a hunk adds {max(added_per_hunk)} lines"
+                added, listed = hunks[-1]
+                entry = _type_entry(line)
+                if entry is None:
+                    hunks[-1] = (added + 1, listed)
+                else:
+                    listed.add(entry)
+        # a hook is a call into cpp/ or a table entry; logic belongs there, not in hunks.
+        # A list of types (the enum, -ctk's table) grows one line per format, so it is
+        # counted apart, and it must list exactly our types.
+        for added, listed in hunks:
+            assert added <= 8, f"{p.name}: a hunk adds {added} lines"
+            if listed:
+                assert sorted(listed - {"count"}) == ours, f"{p.name}: lists {sorted(listed)}"
