@@ -136,10 +136,18 @@ def parse_bpe(log: str, type_k: str, type_v: str) -> tuple[float, float]:
 
 
 def _kv_memory(log: str) -> tuple[float, float]:
-    """(main cache MiB, residual buffer MiB) over the 'kvcomp: KV memory' lines (one per
-    cache; two for a sliding-window model), zeros without them."""
+    """(main cache MiB, residual buffer MiB) of the configuration the run ended with, zeros
+    without a 'kvcomp: KV memory' line.
+
+    Each configuration of a cache prints the line again (a kvct K cache prints it once
+    without the buffer, when its statistics arrive, and once with it), so only the last line
+    of each cache counts: the last as many lines as there are caches ('llama_kv_cache: size'
+    lines; two for a sliding-window model).
+    """
     lines = re.findall(r"kvcomp: KV memory: main cache ([\d.]+) MiB .*?residual buffer ([\d.]+) MiB", log)
-    return sum(float(m) for m, _ in lines), sum(float(b) for _, b in lines)
+    n_caches = len(re.findall(r"llama_kv_cache: size =", log)) or len(lines)
+    last = lines[-n_caches:] if lines else []
+    return sum(float(m) for m, _ in last), sum(float(b) for _, b in last)
 
 
 def parse_buffer_bpe(log: str, main_bpe: float) -> float:

@@ -57,6 +57,10 @@ def test_every_type_has_a_size() -> None:
     assert set(BITS_PER_ELEMENT) == set(ALL_TYPES)
 
 
+_KV_LINE = ("llama_kv_cache: size = {mib:7.2f} MiB ({cells:6d} cells,  30 layers,  1/1 seqs), "
+            "K (f16): 1.00 MiB, V (f16): 1.00 MiB")
+
+
 @pytest.mark.parametrize(("log", "bpe"), [
     ("kvcomp: KV memory: main cache 6.75 MiB (4.00 bpe), residual buffer 0.75 MiB (0.44 bpe, 1 streams of 99 slots), "
      "total 4.44 bpe", 4.0 * 0.75 / 6.75),
@@ -64,14 +68,15 @@ def test_every_type_has_a_size() -> None:
     ("kvcomp: KV memory: main cache 6.00 MiB (4.00 bpe), residual buffer 1.00 MiB (0.67 bpe, 1 streams of 99 slots), "
      "total 4.67 bpe\nkvcomp: KV memory: main cache 2.00 MiB (4.00 bpe), residual buffer 1.00 MiB (2.00 bpe, 1 streams "
      "of 99 slots), total 6.00 bpe", 4.0 * 2.0 / 8.0),
+    # a kvct K cache configured twice (its statistics, then the buffer): the last line counts
+    (f"{_KV_LINE.format(mib=6.75, cells=512)}\n"
+     "kvcomp: KV memory: main cache 6.75 MiB (4.00 bpe), residual buffer 0.00 MiB (0.00 bpe, 1 streams of 0 slots), "
+     "total 4.00 bpe\nkvcomp: KV memory: main cache 6.75 MiB (4.00 bpe), residual buffer 0.75 MiB (0.44 bpe, 1 "
+     "streams of 99 slots), total 4.44 bpe", 4.0 * 0.75 / 6.75),
     ("no buffer here", 0.0),
 ])
 def test_buffer_bpe_counts_every_cache(log: str, bpe: float) -> None:
     assert perplexity.parse_buffer_bpe(f"llama_context: ...\n{log}\n", 4.0) == pytest.approx(bpe)
-
-
-_KV_LINE = ("llama_kv_cache: size = {mib:7.2f} MiB ({cells:6d} cells,  30 layers,  1/1 seqs), "
-            "K (f16): 1.00 MiB, V (f16): 1.00 MiB")
 
 
 @pytest.mark.parametrize(("log", "ctx_full", "mib"), [
