@@ -153,6 +153,10 @@ def test_balanced_with_statistics_codes_the_edge_layers_with_fewer_bits(bins: Pa
     assert edges.bpe_k == pytest.approx(4.5 - 6 / n_layer) and same.bpe_k == 4.5
     assert edges.bpe < same.bpe
     assert edges.kld_mean < 1.5 * same.kld_mean, (edges.kld_mean, same.kld_mean)
+    # the same slots cost the same bits over a kvct K cache, which logs its memory once
+    # without the buffer (when its statistics arrive) and once with it
+    plain = run_kld(KvConfig.parse("balanced"), s)
+    assert edges.bpe_buffer == pytest.approx(plain.bpe_buffer, rel=0.02) and plain.bpe_buffer > 0
     kstats = str(calibrate.ensure_kstats(model))
     proc = _perplexity(bins, model, text, "--kv-comp", "balanced", "--kv-comp-kstats", kstats,
                        "--kv-comp-k-layers", "middle")
