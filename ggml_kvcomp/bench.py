@@ -16,7 +16,7 @@ from typing import Any
 from .calibrate import kv_args
 from .kvtypes import KvConfig
 from .paths import binary
-from .perplexity import parse_bpe
+from .perplexity import kv_memory_mib, parse_bpe
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def parse_memory(log: str, peak_rss_mib: float) -> Memory:
     return Memory(
         weights_mib=weights,
         kv_main_mib=_sum(r"llama_kv_cache: size =\s+([\d.]+) MiB", last),
-        kv_buffer_mib=_sum(r"kvcomp: KV memory: .*?residual buffer ([\d.]+) MiB", last),
+        kv_buffer_mib=kv_memory_mib(last)[1],
         compute_mib=_sum(r"sched_reserve:\s+\S+ compute buffer size =\s+([\d.]+) MiB", last),
         peak_rss_mib=peak_rss_mib,
         compute_end_mib=_sum(r"~llama_context:\s+\S+ compute buffer size (?:is|of)\s+([\d.]+) MiB", last),

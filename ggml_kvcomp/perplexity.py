@@ -135,7 +135,7 @@ def parse_bpe(log: str, type_k: str, type_v: str) -> tuple[float, float]:
     return mean(k, type_k), mean(v, type_v)
 
 
-def _kv_memory(log: str) -> tuple[float, float]:
+def kv_memory_mib(log: str) -> tuple[float, float]:
     """(main cache MiB, residual buffer MiB) of the configuration the run ended with, zeros
     without a 'kvcomp: KV memory' line.
 
@@ -153,7 +153,7 @@ def _kv_memory(log: str) -> tuple[float, float]:
 def parse_buffer_bpe(log: str, main_bpe: float) -> float:
     """Bits per cached element that the residual buffer adds: buffer MiB over main MiB, times
     the main cache's bits per element."""
-    main, buf = _kv_memory(log)
+    main, buf = kv_memory_mib(log)
     return buf / main * main_bpe if main > 0 else 0.0
 
 
@@ -182,7 +182,7 @@ def parse_kv_mib_full(log: str, ctx_full: int) -> float:
             swa = False
     if not found:
         raise ValueError("llama-perplexity output lacks the llama_kv_cache size line")
-    return total + _kv_memory(log)[1]
+    return total + kv_memory_mib(log)[1]
 
 
 def parse_tracker_rmse(log: str) -> tuple[float, float, float]:
