@@ -145,8 +145,8 @@ def kv_memory_mib(log: str) -> tuple[float, float]:
     lines; two for a sliding-window model).
     """
     lines = re.findall(r"kvcomp: KV memory: main cache ([\d.]+) MiB .*?residual buffer ([\d.]+) MiB", log)
-    n_caches = len(re.findall(r"llama_kv_cache: size =", log)) or len(lines)
-    last = lines[-n_caches:] if lines else []
+    n_caches = len(re.findall(r"llama_kv_cache: size =", log))
+    last = lines[-n_caches:] if n_caches else lines
     return sum(float(m) for m, _ in last), sum(float(b) for _, b in last)
 
 

@@ -63,21 +63,21 @@ def test_real_series_is_ordered_and_thin() -> None:
     assert [p.name[:4] for p in series] == [f"{i:04d}" for i in range(1, len(series) + 1)]
     ours = sorted([*kvtypes.KVC_TYPES, *kvtypes.KVCT_TYPES])
     for p in series:
-        hunks: list[tuple[int, set[str]]] = []
+        added_per_hunk: list[int] = []
+        listed_per_hunk: list[set[str]] = []
         for line in p.read_text().splitlines():
             if line.startswith("@@"):
-                hunks.append((0, set()))
+                added_per_hunk.append(0)
+                listed_per_hunk.append(set())
             elif line.startswith("+") and not line.startswith("+++"):
-                added, listed = hunks[-1]
                 entry = _type_entry(line)
                 if entry is None:
-                    hunks[-1] = (added + 1, listed)
+                    added_per_hunk[-1] += 1
                 else:
-                    listed.add(entry)
+                    listed_per_hunk[-1].add(entry)
         # a hook is a call into cpp/ or a table entry; logic belongs there, not in hunks.
         # A list of types (the enum, -ctk's table) grows one line per format, so it is
         # counted apart, and it must list exactly our types.
-        for added, listed in hunks:
-            assert added <= 8, f"{p.name}: a hunk adds {added} lines"
-            if listed:
-                assert sorted(listed - {"count"}) == ours, f"{p.name}: lists {sorted(listed)}"
+        assert max(added_per_hunk) <= 8, f"{p.name}: a hunk adds {max(added_per_hunk)} lines"
+        for listed in filter(None, listed_per_hunk):
+            assert sorted(listed - {"count"}) == ours, f"{p.name}: lists {sorted(listed)}"
