@@ -34,8 +34,20 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     // to slots (up to W per sequence, or every row when outliers are measured). Sinks stay,
     // tokens that left the window wait up to N - 1 ubatches for the next merge, and pins
     // have their budget.
+    //
+    // The window is held once when the slot writes follow the layer's attention: a token
+    // then takes the slot of a row that only its own ubatch's queries still see exactly, and
+    // W + S + N - 1 slots per sequence take any split of a prompt. Not when outliers are
+    // measured (every row waits a ubatch in a slot of its own), when later layers read this
+    // cache's slots (they attend after the write), or on a device cache (attention reads a
+    // copy that the write precedes until the device kernels read the slots, issue 21).
+    bool host = true;
+    for (const auto & l : kv.layers) {
+        host = host && ggml_kvcomp_buffer_cpu_kernels(l.k->buffer) && ggml_kvcomp_buffer_cpu_kernels(l.v->buffer);
+    }
+    give_away = buffered && host && params.pin_threshold <= 0.0f && kv.map_layer_ids.size() == kv.layers.size();
     const uint32_t n_window = n_seq * (uint32_t) (params.window + params.sinks + params.merge_interval - 1);
-    const uint32_t n_new    = params.pin_threshold > 0.0f ? n_ubatch : std::min(n_seq * (uint32_t) params.window, n_ubatch);
+    const uint32_t n_new    = give_away ? 0 : params.pin_threshold > 0.0f ? n_ubatch : std::min(n_seq * (uint32_t) params.window, n_ubatch);
     n_slots_stream = buffered ? n_window + n_new + pin_budget : 0;
 
     maps.resize(kv.n_stream);
@@ -46,6 +58,7 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         m.slot_err.assign(n_slots_stream, 0.0f);
         m.cell_slot.assign(kv_size, -1);
         m.cell_ub.assign(kv_size, -1);
+        m.cell_given.assign(kv_size, -1);
     }
 
     int32_t max_il = 0;
@@ -70,6 +83,8 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     }
     reencode_slots = ggml_new_tensor_1d(storage.ctx_for(ggml_backend_buffer_get_type(kv.layers[0].k->buffer), n_tensors),
                                         GGML_TYPE_I64, std::max<int64_t>(1, this->tracker ? this->tracker->n_reencode_max() : 0));
+    k_read.assign(k_buf.size(), nullptr);
+    v_read.assign(k_buf.size(), nullptr);
     k_written.assign(k_buf.size(), nullptr);
     v_written.assign(k_buf.size(), nullptr);
     k_cur.assign(k_buf.size(), nullptr);
@@ -294,6 +309,7 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const llama_kv_cache:
     }
     for (auto & m : maps) {
         std::fill(m.cell_ub.begin(), m.cell_ub.end(), -1);
+        std::fill(m.cell_given.begin(), m.cell_given.end(), -1);
     }
     ub_streams.assign(sinfo.strm.begin(), sinfo.strm.end());
     ++n_applied;
@@ -306,7 +322,9 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const llama_kv_cache:
         std::vector<int64_t> rows;
         for (uint64_t r : tracker->reencode_list()) {
             const uint32_t strm = (uint32_t) (r / kv.get_size());
-            const int32_t  slot = maps[strm].cell_slot[r % kv.get_size()];
+            // (a slot given to a token of this ubatch still holds the row until the write)
+            const stream_map & m = maps[strm];
+            const int32_t slot = m.cell_slot[r % kv.get_size()] >= 0 ? m.cell_slot[r % kv.get_size()] : m.cell_given[r % kv.get_size()];
             rows.push_back((int64_t) strm * n_rows() + (slot >= 0 ? slot : n_slots()));
         }
         ggml_backend_tensor_set(reencode_slots, rows.data(), 0, rows.size() * sizeof(int64_t));
@@ -340,18 +358,24 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
         }
     }
 
-    // whether a query of this ubatch or a later one sees the row of cell c exactly
-    const auto wanted = [&](int32_t c, llama_pos pos) {
+    // whether a query of this ubatch or a later one (from_query: first_query), or a later
+    // one only (next_query), sees the row of cell c exactly
+    const auto wanted = [&](int32_t c, llama_pos pos, const std::map<llama_seq_id, llama_pos> & from_query) {
         for (llama_seq_id seq = 0; seq < LLAMA_MAX_SEQ; ++seq) {
             if (!cells.seq_has(c, seq)) {
                 continue;
             }
-            const auto it = first_query.find(seq);
-            if (is_exact(pos, it != first_query.end() ? it->second : cells.seq_pos_max(seq) + 1, false)) {
+            const auto it = from_query.find(seq);
+            if (is_exact(pos, it != from_query.end() ? it->second : cells.seq_pos_max(seq) + 1, false)) {
                 return true;
             }
         }
         return false;
+    };
+    // a slot a token of this ubatch may take (the window held once)
+    const auto givable = [&](uint32_t s) {
+        return give_away && m.slot_cell[s] >= 0 && m.slot_kinds[s] == SLOT_KIND_ROW && m.slot_pos[s] >= params.sinks &&
+               m.cell_ub[m.slot_cell[s]] < 0 && !wanted(m.slot_cell[s], m.slot_pos[s], next_query);
     };
 
     // A cell that was removed, overwritten (now or by a state load) or moved no longer
@@ -359,6 +383,7 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
     // A spare (a released row kept while its slot is not needed) that a query sees exactly
     // again, after its sequence was cut back, is a row again.
     uint32_t n_used = 0;
+    uint32_t n_givable = 0;
     for (uint32_t s = 0; s < n_slots(); ++s) {
         const int32_t c = m.slot_cell[s];
         if (c < 0) {
@@ -369,7 +394,7 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
             continue;
         }
         if (m.slot_kinds[s] == SLOT_KIND_SPARE) {
-            if (!wanted(c, m.slot_pos[s])) {
+            if (!wanted(c, m.slot_pos[s], first_query)) {
                 continue;
             }
             m.slot_kinds[s] = SLOT_KIND_ROW;
@@ -378,6 +403,7 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
             m.slot_err[s] = measure(kv, strm, s);
         }
         ++n_used;
+        n_givable += givable(s);
     }
 
     // the tokens of this ubatch that a later query sees exactly
@@ -394,7 +420,7 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
     // ubatch would not fit
     const bool merge = n_applied % (uint64_t) params.merge_interval == 0 ||
                        n_used >= params.merge_at * n_slots() ||
-                       n_used + n_needed > n_slots();
+                       n_used - n_givable + n_needed > n_slots();
     if (merge) {
         ++n_merges;
         for (uint32_t s = 0; s < n_slots(); ++s) {
@@ -402,7 +428,7 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
             if (c < 0 || m.slot_kinds[s] == SLOT_KIND_PINNED || m.slot_kinds[s] == SLOT_KIND_SPARE || m.slot_pos[s] < params.sinks) {
                 continue;
             }
-            if (!wanted(c, m.slot_pos[s])) {
+            if (!wanted(c, m.slot_pos[s], first_query)) {
                 pin_or_free(m, s);
                 n_released += m.slot_kinds[s] == SLOT_KIND_SPARE;
             }
@@ -431,11 +457,22 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
             while (next_free < n_slots() && m.slot_cell[next_free] >= 0) {
                 ++next_free;
             }
-            // no free slot: the spare of the oldest position, which a cut-back reaches last
+            // no free slot: the spare of the oldest position, which a cut-back reaches last,
+            // else the oldest row only this ubatch still sees exactly
             uint32_t pick = next_free;
             for (uint32_t t = 0; t < n_slots() && next_free == n_slots(); ++t) {
                 if (m.slot_kinds[t] == SLOT_KIND_SPARE && (pick == n_slots() || m.slot_pos[t] < m.slot_pos[pick])) {
                     pick = t;
+                }
+            }
+            if (pick == n_slots()) {
+                for (uint32_t t = 0; t < n_slots(); ++t) {
+                    if (givable(t) && (pick == n_slots() || m.slot_pos[t] < m.slot_pos[pick])) {
+                        pick = t;
+                    }
+                }
+                if (pick < n_slots()) {
+                    m.cell_given[m.slot_cell[pick]] = (int32_t) pick;
                 }
             }
             if (pick == n_slots()) {
@@ -474,8 +511,9 @@ ggml_tensor * llama_kvcomp_buffer::cpy(ggml_context * ctx0, ggml_tensor * cache,
         }
     }
     if (buffered) {
+        (is_k ? k_read : v_read)[ib]       = slots;
         (is_k ? k_written : v_written)[ib] = ggml_set_rows(ctx0, slots, cur, idx_slot);
-        (is_k ? k_cur : v_cur)[ib] = cur;
+        (is_k ? k_cur : v_cur)[ib]         = cur;
     }
 
     ggml_tensor * rows = is_k && plans && plans->pre_rope() ? pre_rope_rows(ctx0, cur, ib) : cur;
@@ -527,9 +565,13 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     // share with the last ubatch
     const size_t  s0  = main_view->view_offs / main_view->nb[3];
 
+    ggml_tensor * & read    = (is_k ? k_read : v_read)[ib];
     ggml_tensor * & written = (is_k ? k_written : v_written)[ib];
     ggml_tensor * & cur     = (is_k ? k_cur : v_cur)[ib];
-    ggml_tensor * slots = written ? written : (is_k ? k_buf : v_buf)[ib];
+    const ggml_tensor * cache = main_view->view_src ? main_view->view_src : main_view;
+    const bool device = cache->buffer && !ggml_kvcomp_buffer_cpu_kernels(cache->buffer);
+    // (a layer that reads another layer's cache finds no write of its own in this graph)
+    ggml_tensor * slots = device && written ? written : read ? read : (is_k ? k_buf : v_buf)[ib];
 
     // The exact rows: the slots, read where they lie, and the ubatch's own rows rounded to F16
     // as the slots hold them, so a key seen exactly is the same value in a batched prompt and
@@ -542,21 +584,26 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
         const int64_t n_tps = cur->ne[1] / ns;
         exact_ub = ggml_view_4d(ctx0, cur, ne0, ne1, n_tps, ns, ggml_row_size(cur->type, ne0), cur->nb[1], cur->nb[1] * n_tps, 0);
     }
+    const char c = is_k ? 'k' : 'v';
+    if (written && !device) {
+        // added to the graph after the layer's attention by llama_kvcomp_add_exact
+        ggml_format_name(written, "kvcomp_write_%c-%d", c, il);
+    }
+    read    = nullptr;
     written = nullptr;
     cur     = nullptr;
 
-    const ggml_tensor * cache = main_view->view_src ? main_view->view_src : main_view;
-    if (cache->buffer && !ggml_kvcomp_buffer_cpu_kernels(cache->buffer)) {
+    if (device) {
         // Device caches: until the GPU kernels read the exact rows as their own sources
-        // (issue 21), attention reads an F16 copy of the main cells joined to them. (A cache
-        // on an rpc-server of this build on the CPU is read as in host memory, by the server.)
+        // (issue 21), attention reads an F16 copy of the main cells joined to them, taken
+        // after the slot write. (A cache on an rpc-server of this build on the CPU is read as
+        // in host memory, by the server.)
         ggml_tensor * all = ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F16), exact, 2);
         return exact_ub ? ggml_concat(ctx0, all, ggml_cast(ctx0, exact_ub, GGML_TYPE_F16), 2) : all;
     }
     // Host caches: attention reads the main cells where they lie and the exact rows as further
     // sources, attached to the node by llama_kvcomp_add_exact, which finds them by these names
     // (the ubatch's F32 rows are read as their F16 rounding, so no cast node).
-    const char c = is_k ? 'k' : 'v';
     ggml_format_name(main_view, "kvcomp_main_%c-%d", c, il);
     ggml_format_name(exact, "kvcomp_exact_%c-%d", c, il);
     if (exact_ub) {
@@ -565,7 +612,7 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     return main_view;
 }
 
-void llama_kvcomp_add_exact(ggml_context * ctx, ggml_tensor * fa) {
+void llama_kvcomp_add_exact(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * fa) {
     const ggml_tensor * k = fa->src[1];
     const ggml_tensor * v = fa->src[2];
     if (k->op != GGML_OP_PERMUTE || v->op != GGML_OP_PERMUTE) {
@@ -595,6 +642,16 @@ void llama_kvcomp_add_exact(ggml_context * ctx, ggml_tensor * fa) {
     ggml_tensor * ve = find("exact", 'v');
     GGML_ASSERT(ke && ve && "kvcomp: the exact rows of a buffered layer are missing from its graph");
     ggml_flash_attn_ext_add_exact(fa, ke, ve, find("ubatch", 'k'), find("ubatch", 'v'));
+    for (const char c : { 'k', 'v' }) {
+        char name[GGML_MAX_NAME];
+        snprintf(name, sizeof(name), "kvcomp_write_%c-%d", c, il_k);
+        if (ggml_tensor * w = ggml_get_tensor(ctx, name)) {
+            // SET_ROWS reads sources 0-2; this one only orders the write after the node
+            GGML_ASSERT(w->op == GGML_OP_SET_ROWS && !w->src[3]);
+            w->src[3] = fa;
+            ggml_build_forward_expand(gf, w);
+        }
+    }
 }
 
 void llama_kvcomp_buffer::set_input_slot_idxs(int64_t * dst, const llama_kv_cache::slot_info & sinfo) const {
@@ -664,8 +721,10 @@ void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tens
                 }
                 continue;
             }
-            const int32_t s = m.cell_slot[j];
-            if (s >= 0 && is_exact(q, p, m.slot_kinds[s] == SLOT_KIND_PINNED)) {
+            // (a slot given to a token of this ubatch still holds the cell's row: the write
+            // follows the attention)
+            const int32_t s = m.cell_slot[j] >= 0 ? m.cell_slot[j] : m.cell_given[j];
+            if (s >= 0 && is_exact(q, p, m.cell_slot[j] >= 0 && m.slot_kinds[s] == SLOT_KIND_PINNED)) {
                 row[n_main + s] = v;
                 row[j] = -INFINITY;
             }

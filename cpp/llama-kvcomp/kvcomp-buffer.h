@@ -173,6 +173,9 @@ private:
         std::vector<float>     slot_err;  // measured relative error (staged and pinned slots)
         std::vector<int32_t>   cell_slot; // slot of each cell, -1 when none
         std::vector<int32_t>   cell_ub;   // column of each cell in the current ubatch, -1 when none
+        // slot each cell held before the current ubatch gave it to one of its tokens, -1 when
+        // none: that ubatch's queries still read the old row there (the write follows them)
+        std::vector<int32_t>   cell_given;
     };
 
     bool is_exact(llama_pos key, llama_pos query, bool pinned) const;
@@ -194,6 +197,9 @@ private:
 
     llama_kvcomp_params params;
     bool     buffered;
+    // whether a ubatch token may take the slot of a row only that ubatch's queries still see
+    // exactly (a window held once); see the constructor for when it may not
+    bool     give_away = false;
     uint32_t n_ubatch;
     uint32_t n_slots_stream;
     uint32_t pin_budget; // cells per stream
@@ -210,8 +216,12 @@ private:
     std::vector<ggml_tensor *> v_buf;
     std::vector<int32_t>       layer_of_il; // model layer -> index in k_buf/v_buf
 
-    // per layer, from the graph being built: the slot writes (read through by get(), which
-    // orders the write before the read) and the ubatch's own rows
+    // per layer, from the graph being built: the slots as attention reads them (after the
+    // rows the tracker stores again), the write of the ubatch's rows into them (after the
+    // layer's attention on host caches, llama_kvcomp_add_exact; before it on device caches,
+    // which read a copy) and the ubatch's own rows
+    mutable std::vector<ggml_tensor *> k_read;
+    mutable std::vector<ggml_tensor *> v_read;
     mutable std::vector<ggml_tensor *> k_written;
     mutable std::vector<ggml_tensor *> v_written;
     mutable std::vector<ggml_tensor *> k_cur;
@@ -234,10 +244,13 @@ private:
     llama_kvcomp_storage storage;
 };
 
-// Hook after upstream builds a FLASH_ATTN_EXT node (patch 0017): when its K and V are the main
-// views of a buffered layer (named by llama_kvcomp_buffer::get), attaches that layer's exact
-// rows as further sources of the node (ggml_flash_attn_ext_add_exact). Other nodes are left alone.
-void llama_kvcomp_add_exact(ggml_context * ctx, ggml_tensor * fa);
+// Hook after upstream builds a FLASH_ATTN_EXT node of graph gf (patch 0017): when its K and V
+// are the main views of a buffered layer (named by llama_kvcomp_buffer::get), attaches that
+// layer's exact rows as further sources of the node (ggml_flash_attn_ext_add_exact), then adds
+// the write of the ubatch's rows into the slots to gf after the node, which the write names as
+// a source: ggml records no write-after-read edge, and a backend that runs nodes concurrently
+// must not write a slot the node still reads. Other nodes are left alone.
+void llama_kvcomp_add_exact(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * fa);
 
 // Hook in the KV cache's constructor (patch 0020), for layer il's cells on device dev: throws
 // with the reason, before anything is allocated there, when dev is an rpc-server that does
