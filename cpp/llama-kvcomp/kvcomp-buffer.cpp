@@ -1067,13 +1067,16 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
             stream_map & m = maps[strm];
 
             // a slot goes back where it was when this buffer has the same size, so the keys
-            // reach attention in the same order as before the save
+            // reach attention in the same order as before the save; a slot whose cell was
+            // removed since the last ubatch (which would free it) is not in the way
             std::vector<uint32_t> dst(n_entries), cells_of(n_entries);
             std::vector<slot_kind> kinds(n_entries);
             std::vector<float> errs(n_entries);
             std::vector<bool> taken(n_slots(), false);
+            const auto & cells = kv.v_cells[strm];
             for (uint32_t s = 0; s < n_slots(); ++s) {
-                taken[s] = m.slot_cell[s] >= 0 && m.slot_kinds[s] != SLOT_KIND_SPARE;
+                const int32_t c = m.slot_cell[s];
+                taken[s] = c >= 0 && m.slot_kinds[s] != SLOT_KIND_SPARE && !cells.is_empty(c) && cells.pos_get(c) == m.slot_pos[s];
             }
             for (uint32_t e = 0; e < n_entries; ++e) {
                 uint32_t r, s;
@@ -1115,7 +1118,6 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
                     llama_kvcomp_tracker::reencode(k_buf[ib], rows, moved[si][ib]);
                 }
             }
-            const auto & cells = kv.v_cells[strm];
             for (uint32_t e = 0; e < n_entries; ++e) {
                 if (dst[e] < n_slots()) {
                     // (a spare's cell must no longer point at the slot)
