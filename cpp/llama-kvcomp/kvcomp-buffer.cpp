@@ -383,7 +383,7 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
     // A spare (a released row kept while its slot is not needed) that a query sees exactly
     // again, after its sequence was cut back, is a row again.
     uint32_t n_used = 0;
-    uint32_t n_givable = 0;
+    std::vector<uint32_t> give_order; // the slots a token may take, oldest row first
     for (uint32_t s = 0; s < n_slots(); ++s) {
         const int32_t c = m.slot_cell[s];
         if (c < 0) {
@@ -403,8 +403,13 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
             m.slot_err[s] = measure(kv, strm, s);
         }
         ++n_used;
-        n_givable += givable(s);
+        if (givable(s)) {
+            give_order.push_back(s);
+        }
     }
+    std::sort(give_order.begin(), give_order.end(), [&](uint32_t a, uint32_t b) {
+        return std::make_pair(m.slot_pos[a], a) < std::make_pair(m.slot_pos[b], b);
+    });
 
     // the tokens of this ubatch that a later query sees exactly
     std::vector<bool> needs_slot(cells_ub.size(), params.pin_threshold > 0.0f);
@@ -420,7 +425,7 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
     // ubatch would not fit
     const bool merge = n_applied % (uint64_t) params.merge_interval == 0 ||
                        n_used >= params.merge_at * n_slots() ||
-                       n_used - n_givable + n_needed > n_slots();
+                       n_used - (uint32_t) give_order.size() + n_needed > n_slots();
     if (merge) {
         ++n_merges;
         for (uint32_t s = 0; s < n_slots(); ++s) {
@@ -444,6 +449,7 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
     // in the same order however the prompt was split into ubatches: attention sums in key
     // order, and a different order alone moves logits by ~1e-2 on SmolLM2.
     uint32_t next_free = 0;
+    size_t   next_give = 0;
     for (uint32_t i = 0; i < cells_ub.size(); ++i) {
         if (!needs_slot[i]) {
             continue;
@@ -465,14 +471,12 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
                     pick = t;
                 }
             }
-            if (pick == n_slots()) {
-                for (uint32_t t = 0; t < n_slots(); ++t) {
-                    if (givable(t) && (pick == n_slots() || m.slot_pos[t] < m.slot_pos[pick])) {
-                        pick = t;
-                    }
-                }
-                if (pick < n_slots()) {
-                    m.cell_given[m.slot_cell[pick]] = (int32_t) pick;
+            // (a merge may have made one a spare since, or a token taken it)
+            while (pick == n_slots() && next_give < give_order.size()) {
+                const uint32_t t = give_order[next_give++];
+                if (givable(t)) {
+                    m.cell_given[m.slot_cell[t]] = (int32_t) t;
+                    pick = t;
                 }
             }
             if (pick == n_slots()) {
