@@ -322,9 +322,7 @@ void llama_kvcomp_buffer::apply(const llama_kv_cache & kv, const llama_kv_cache:
         std::vector<int64_t> rows;
         for (uint64_t r : tracker->reencode_list()) {
             const uint32_t strm = (uint32_t) (r / kv.get_size());
-            // (a slot given to a token of this ubatch still holds the row until the write)
-            const stream_map & m = maps[strm];
-            const int32_t slot = m.cell_slot[r % kv.get_size()] >= 0 ? m.cell_slot[r % kv.get_size()] : m.cell_given[r % kv.get_size()];
+            const int32_t slot = maps[strm].read_slot((uint32_t) (r % kv.get_size()));
             rows.push_back((int64_t) strm * n_rows() + (slot >= 0 ? slot : n_slots()));
         }
         ggml_backend_tensor_set(reencode_slots, rows.data(), 0, rows.size() * sizeof(int64_t));
@@ -725,9 +723,7 @@ void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tens
                 }
                 continue;
             }
-            // (a slot given to a token of this ubatch still holds the cell's row: the write
-            // follows the attention)
-            const int32_t s = m.cell_slot[j] >= 0 ? m.cell_slot[j] : m.cell_given[j];
+            const int32_t s = m.read_slot((uint32_t) j);
             if (s >= 0 && is_exact(q, p, m.cell_slot[j] >= 0 && m.slot_kinds[s] == SLOT_KIND_PINNED)) {
                 row[n_main + s] = v;
                 row[j] = -INFINITY;

@@ -176,6 +176,10 @@ private:
         // slot each cell held before the current ubatch gave it to one of its tokens, -1 when
         // none: that ubatch's queries still read the old row there (the write follows them)
         std::vector<int32_t>   cell_given;
+
+        // the slot whose row the current ubatch's attention reads for `cell`, -1 when none (a
+        // slot given to one of the ubatch's tokens still holds the old row: the write follows)
+        int32_t read_slot(uint32_t cell) const { return cell_slot[cell] >= 0 ? cell_slot[cell] : cell_given[cell]; }
     };
 
     bool is_exact(llama_pos key, llama_pos query, bool pinned) const;
