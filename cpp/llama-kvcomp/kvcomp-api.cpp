@@ -36,7 +36,7 @@ constexpr kvcomp_mode_row KVCOMP_MODES[] = {
     // name              K               V               W    S   N   pin   budget tracker  K with statistics, its layers
     { "off",            GGML_TYPE_F16,  GGML_TYPE_F16,    0,  0,  1, 0.0f,  1.0f,  0,     GGML_TYPE_F16,   LLAMA_KVCOMP_K_LAYERS_SAME },
     { "low-latency",    GGML_TYPE_KVC4, GGML_TYPE_KVC4,   0,  0,  1, 0.0f,  1.0f,  1,     GGML_TYPE_KVCT4, LLAMA_KVCOMP_K_LAYERS_SAME },
-    { "balanced",       GGML_TYPE_KVC4, GGML_TYPE_KVC3,  32,  4, 32, 0.0f,  1.0f,  1,     GGML_TYPE_KVCT4, LLAMA_KVCOMP_K_LAYERS_EDGES },
+    { "balanced",       GGML_TYPE_KVC4, GGML_TYPE_KVC3,  56,  4,  8, 0.0f,  1.0f,  1,     GGML_TYPE_KVCT4, LLAMA_KVCOMP_K_LAYERS_EDGES },
     { "high-precision", GGML_TYPE_KVC8, GGML_TYPE_KVC8,  32,  4,  8, 0.0f,  1.0f,  1,     GGML_TYPE_KVC8,  LLAMA_KVCOMP_K_LAYERS_SAME },
 };
 static_assert(sizeof(KVCOMP_MODES) / sizeof(KVCOMP_MODES[0]) == LLAMA_KVCOMP_MODE_CUSTOM, "one table row per mode");

@@ -211,8 +211,8 @@ std::vector<common_arg> common_kvcomp_args() {
     std::vector<common_arg> args;
     args.push_back(common_arg(
         {"--kv-comp"}, "MODE",
-        "kvcomp preset: off, low-latency (kvc4 K/V + scale tracker), balanced (kvc4 K, kvc3 V, 32-position window, "
-        "merge every 32 steps), high-precision (kvc8 K and V, 32-position window, merge every 8 steps); sets -ctk/-ctv "
+        "kvcomp preset: off, low-latency (kvc4 K/V + scale tracker), balanced (kvc4 K, kvc3 V, 56-position window, "
+        "merge every 8 steps), high-precision (kvc8 K and V, 32-position window, merge every 8 steps); sets -ctk/-ctv "
         "unless given and -fa on unless -fa is given (every mode but off has a quantized V cache, so -fa off is refused "
         "with it unless -ctv f16 is given too); --kv-comp-* flags override its knobs (default: off)",
         [](common_params & params, const std::string & value) {

@@ -14,7 +14,7 @@ extern "C" {
 enum llama_kvcomp_mode {
     LLAMA_KVCOMP_MODE_OFF,            // upstream cache: no buffer, no tracker
     LLAMA_KVCOMP_MODE_LOW_LATENCY,    // kvc4 K/V, scale tracker, no residual buffer
-    LLAMA_KVCOMP_MODE_BALANCED,       // merge every 32 steps
+    LLAMA_KVCOMP_MODE_BALANCED,       // kvc4 K / kvc3 V, 56-position window, merge every 8 steps
     LLAMA_KVCOMP_MODE_HIGH_PRECISION, // merge every 8 steps
     LLAMA_KVCOMP_MODE_CUSTOM,         // knobs set one by one
     LLAMA_KVCOMP_MODE_COUNT,
