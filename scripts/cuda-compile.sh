@@ -42,6 +42,7 @@ while read -r obj; do
 done < <(
     {
         echo "kvc-cuda.cu.o"
+        echo "kvc-kvct-cuda.cu.o"
         sed -n 's|^+++ b/ggml/src/ggml-cuda/\(.*\)$|ggml-cuda.dir/\1.o|p' "$root"/cpp/patches/*.patch
     } | while read -r suffix; do
         sed -n "s|^\([^:]*${suffix//./\\.}\): .*|\1|p" <<<"$targets"

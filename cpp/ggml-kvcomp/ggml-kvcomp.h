@@ -23,8 +23,9 @@ static inline bool ggml_kvcomp_is_kvc(enum ggml_type t) {
 // a row is one KV head's d values coded with a plan of that layer and head, so no kernel can
 // read or write one without the plans. A node that does (SET_ROWS into such a cache, the
 // FLASH_ATTN_EXT that reads it) carries them as a source (ggml_kvct_set_plans): an I8 tensor
-// of one kvc_t_plan (kvc-transform.h) per KV head and the layer's kvc_t_rope. Only the CPU
-// backend runs such nodes.
+// of one kvc_t_plan (kvc-transform.h) per KV head and the layer's kvc_t_rope. The CPU
+// backend runs such nodes, and the CUDA backend has kernels for them (not yet run on a GPU,
+// so a kvct cache is not placed on one: llama_kvcomp_check_device).
 #define GGML_KVCOMP_KVCT_FIRST GGML_TYPE_KVCT4
 #define GGML_KVCOMP_KVCT_LAST  GGML_TYPE_KVCT5
 
@@ -32,10 +33,10 @@ static inline bool ggml_kvcomp_is_kvct(enum ggml_type t) {
     return t >= GGML_KVCOMP_KVCT_FIRST && t <= GGML_KVCOMP_KVCT_LAST;
 }
 
-// Types whose kernels exist for the CPU backend only (kvct, kvc5; issue 21): a cache of one
-// lives in host memory, or on an rpc-server of this build.
+// Types whose kernels exist for the CPU backend only (kvc5; issue 21): a cache of one lives in
+// host memory, or on an rpc-server of this build.
 static inline bool ggml_kvcomp_is_cpu_only(enum ggml_type t) {
-    return ggml_kvcomp_is_kvct(t) || t == GGML_TYPE_KVC5;
+    return t == GGML_TYPE_KVC5;
 }
 
 // Returns GGML_TYPE_COUNT when the name is not a kvc or kvct type.

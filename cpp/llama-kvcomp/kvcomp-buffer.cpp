@@ -1354,8 +1354,10 @@ void llama_kvcomp_check_device(ggml_backend_dev_t dev, int32_t il, ggml_type typ
         }
     }
     // (the plans are fitted later, but the context's first graph already places the rows' writes)
+    // kvct: the CUDA backend has kernels for its nodes, but they have not run on a GPU yet, and
+    // a device cache's residual buffer writes its rows in another order (issue 21)
     for (const ggml_type t : { type_k, type_v }) {
-        if (ggml_kvcomp_is_cpu_only(t) && !ggml_kvcomp_dev_cpu_kernels(dev)) {
+        if ((ggml_kvcomp_is_cpu_only(t) || ggml_kvcomp_is_kvct(t)) && !ggml_kvcomp_dev_cpu_kernels(dev)) {
             throw std::runtime_error(std::string("kvcomp: the KV cache of layer ") + std::to_string(il) + " would live on " +
                                      ggml_backend_dev_name(dev) + " (" + ggml_backend_dev_description(dev) + "): " +
                                      ggml_type_name(t) + " caches run on the CPU backend for now, here or on an "

@@ -4,11 +4,14 @@
 // unnoticed. Covered: SET_ROWS (F32 and F16 rows), GET_ROWS, CPY both ways (from a strided
 // view like the cache's K), MUL_MAT (K with flash attention off) and FLASH_ATTN_EXT for head
 // sizes 64/128/256 at 1, 2 (vector kernel) and 8 queries (f16 tensor-core path), with GQA,
-// masks, logit softcap, ALiBi and attention sinks.
+// masks, logit softcap, ALiBi and attention sinks. kvct K (transform-coded, read and written
+// with its plans): SET_ROWS and FLASH_ATTN_EXT for head sizes 64/128/256, rows coded before RoPE
+// and turned to their cells' positions, at 1, 2 and 8 queries.
 //
 // Exits 77 (skipped, CTest's SKIP_RETURN_CODE) when the machine has no GPU backend.
 
 #include "kvc-test-util.h"
+#include "kvc-transform.h"
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -29,14 +32,79 @@ namespace {
 
 const ggml_type kvc_types[] = { GGML_TYPE_KVC8, GGML_TYPE_KVC4, GGML_TYPE_KVC3, GGML_TYPE_KVC2 };
 
+// n_head plans of a kvct type for heads of d values, fitted to random statistics (pairs side
+// by side, as NORMAL RoPE orders them), then a RoPE that turns every pair: a plans tensor's bytes.
+std::vector<uint8_t> make_plans(ggml_type type, int64_t d, int64_t n_head, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> u(0.0f, 1.0f);
+    std::vector<uint8_t> bytes(n_head*sizeof(kvc_t_plan) + sizeof(kvc_t_rope), 0);
+    std::vector<int16_t> pair(d);
+    std::vector<float> mean(d), k2(3*d/2), w(3*d/2);
+    for (int64_t p = 0; p < d/2; ++p) {
+        pair[2*p] = (int16_t) (2*p);
+        pair[2*p + 1] = (int16_t) (2*p + 1);
+    }
+    for (int64_t h = 0; h < n_head; ++h) {
+        for (int64_t p = 0; p < d/2; ++p) {
+            // energies spread over three decades, correlated pairs, a few channels with a mean
+            const float va = std::pow(10.0f, -2.0f + 3.0f*u(rng)), vb = std::pow(10.0f, -2.0f + 3.0f*u(rng));
+            const float rho = 1.6f*u(rng) - 0.8f;
+            k2[3*p] = va; k2[3*p + 1] = rho*std::sqrt(va*vb); k2[3*p + 2] = vb;
+            w[3*p] = 0.5f + u(rng); w[3*p + 1] = 0.0f; w[3*p + 2] = 0.5f + u(rng);
+            mean[2*p] = u(rng) < 0.1f ? 4.0f*u(rng) - 2.0f : 0.0f;
+            mean[2*p + 1] = 0.0f;
+        }
+        const kvc_t_stats st = { (int32_t) d, (const int16_t (*)[2]) pair.data(), mean.data(),
+                                 (const float (*)[3]) k2.data(), (const float (*)[3]) w.data() };
+        kvc_t_plan plan;
+        if (!kvc_t_plan_fit(&plan, &st, KVC_T_BASIS_PAIR_AXES, kvc_t_type_row_bits(type, d))) {
+            fprintf(stderr, "test-kvc-backend: no plan for %s d=%lld\n", ggml_type_name(type), (long long) d);
+            exit(1);
+        }
+        memcpy(bytes.data() + h*sizeof(kvc_t_plan), &plan, sizeof(plan));
+    }
+    kvc_t_rope rope = {};
+    rope.n_pairs = (int32_t) (d/2);
+    rope.mscale  = 1.0f;
+    for (int64_t p = 0; p < d/2; ++p) {
+        rope.theta[p] = std::pow(10000.0f, -2.0f*p/d);
+    }
+    memcpy(bytes.data() + n_head*sizeof(kvc_t_plan), &rope, sizeof(rope));
+    return bytes;
+}
+
 // Leaf contents, from the leaf's name: "mask" (0 / -inf, every row sees cell 0), "rows<N>"
-// (distinct row ids below N), otherwise Gaussian values with outlier channels, quantized by the
-// reference quantizer for kvc leaves.
-void fill_leaf(ggml_tensor * t, uint32_t seed, std::vector<uint8_t> & bytes) {
+// (distinct row ids below N), "pos" (cell positions, far from 0 and not in order), "plans<D>"
+// (kvct plans of the node's K type for heads of D values), "kvct<D>" (kvct rows of heads of D
+// values: random codes under plausible row scales), otherwise Gaussian values with outlier
+// channels, quantized by the reference quantizer for kvc leaves.
+void fill_leaf(ggml_tensor * t, uint32_t seed, std::vector<uint8_t> & bytes, ggml_type kvct_type) {
     std::mt19937 rng(seed);
     const int64_t n = ggml_nelements(t);
     bytes.assign(ggml_nbytes(t), 0);
     const std::string name = ggml_get_name(t);
+
+    if (name == "pos") {
+        for (int64_t i = 0; i < n; ++i) {
+            ((int32_t *) bytes.data())[i] = (int32_t) (3000 + 7*i - 40*(i % 5));
+        }
+        return;
+    }
+    if (name.rfind("plans", 0) == 0) {
+        const int64_t d = std::stoll(name.substr(5));
+        const int64_t n_head = kvc_t_plans_n_head(bytes.size());
+        bytes = make_plans(kvct_type, d, n_head, seed);
+        return;
+    }
+    if (name.rfind("kvct", 0) == 0) {
+        const int64_t d  = std::stoll(name.substr(4));
+        const size_t  rs = ggml_row_size(t->type, d);
+        std::uniform_int_distribution<int> byte(0, 255), scale(140, 175);
+        for (size_t i = 0; i < bytes.size(); ++i) {
+            bytes[i] = (uint8_t) (i % rs == 0 ? scale(rng) : byte(rng));
+        }
+        return;
+    }
 
     if (name.rfind("rows", 0) == 0) {
         const int64_t n_rows = std::stoll(name.substr(4));
@@ -78,8 +146,9 @@ void fill_leaf(ggml_tensor * t, uint32_t seed, std::vector<uint8_t> & bytes) {
 }
 
 struct run_result {
-    bool               supported = true;
-    std::vector<float> out; // dequantized when the output is a kvc tensor
+    bool                 supported = true;
+    std::vector<float>   out; // dequantized when the output is a kvc tensor
+    std::vector<uint8_t> raw; // a kvct output's bytes (no plan-free way to read them)
 };
 
 using build_fn = std::function<ggml_tensor *(ggml_context *)>;
@@ -106,11 +175,15 @@ run_result run_on(ggml_backend_t backend, const build_fn & build) {
     }
 
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+    ggml_type kvct_type = GGML_TYPE_COUNT;
+    for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
+        kvct_type = ggml_kvcomp_is_kvct(t->type) ? t->type : kvct_type;
+    }
     uint32_t seed = 1234;
     std::vector<uint8_t> bytes;
     for (ggml_tensor * t = ggml_get_first_tensor(ctx); t != nullptr; t = ggml_get_next_tensor(ctx, t)) {
         if (t->op == GGML_OP_NONE && t->view_src == nullptr) {
-            fill_leaf(t, seed++, bytes);
+            fill_leaf(t, seed++, bytes, kvct_type);
             ggml_backend_tensor_set(t, bytes.data(), 0, bytes.size());
         }
     }
@@ -127,6 +200,8 @@ run_result run_on(ggml_backend_t backend, const build_fn & build) {
     } else if (dst->type == GGML_TYPE_F16) {
         res.out.resize(ggml_nelements(dst));
         ggml_fp16_to_fp32_row((const ggml_fp16_t *) raw.data(), res.out.data(), ggml_nelements(dst));
+    } else if (ggml_kvcomp_is_kvct(dst->type)) {
+        res.raw = raw;
     } else {
         res.out = dequantize(dst->type, raw.data(), (int) dst->ne[0], (int) ggml_nrows(dst));
     }
@@ -156,6 +231,24 @@ struct tester {
         }
         const double e = nmse(got.out.data(), ref.out.data(), ref.out.size());
         rep.check(got.out.size() == ref.out.size() && finite && e <= max_nmse, "%s: nmse %.2e <= %.0e", name.c_str(), e, max_nmse);
+    }
+
+    // kvct rows of row_size bytes: at most max_frac of them may differ from the CPU's (a
+    // candidate scale whose error ties the best one within rounding may win on either side)
+    void compare_rows(const std::string & name, const build_fn & build, size_t row_size, double max_frac) {
+        const run_result ref = run_on(cpu, build);
+        const run_result got = run_on(gpu, build);
+        if (!got.supported) {
+            rep.check(false, "%s: not supported by %s", name.c_str(), ggml_backend_name(gpu));
+            return;
+        }
+        const size_t n_rows = ref.raw.size() / row_size;
+        size_t n_diff = 0;
+        for (size_t r = 0; r < n_rows && got.raw.size() == ref.raw.size(); ++r) {
+            n_diff += memcmp(got.raw.data() + r*row_size, ref.raw.data() + r*row_size, row_size) != 0;
+        }
+        rep.check(got.raw.size() == ref.raw.size() && n_rows > 0 && n_diff <= max_frac*n_rows,
+                  "%s: %zu of %zu rows differ (at most %.0f%%)", name.c_str(), n_diff, n_rows, 100.0*max_frac);
     }
 };
 
@@ -285,6 +378,57 @@ void test_flash_attn(tester & t) {
     }
 }
 
+const ggml_type kvct_types[] = { GGML_TYPE_KVCT4, GGML_TYPE_KVCT3, GGML_TYPE_KVCT2, GGML_TYPE_KVCT5 };
+
+void test_kvct(tester & t) {
+    for (ggml_type type : kvct_types) {
+        for (int64_t d : { 64, 128, 256 }) {
+            const int64_t n_head = 3;
+            for (ggml_type src_type : { GGML_TYPE_F32, GGML_TYPE_F16 }) {
+                char name[96];
+                snprintf(name, sizeof(name), "SET_ROWS %s->%s d=%lld", ggml_type_name(src_type), ggml_type_name(type), (long long) d);
+                t.compare_rows(name, [&](ggml_context * ctx) {
+                    ggml_tensor * dst   = ggml_new_tensor_2d(ctx, type, d*n_head, 64);
+                    ggml_tensor * src   = ggml_new_tensor_2d(ctx, src_type, d*n_head, 40);
+                    ggml_tensor * rows  = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, 40);
+                    ggml_tensor * plans = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, n_head*sizeof(kvc_t_plan) + sizeof(kvc_t_rope));
+                    ggml_set_name(dst, ("kvct" + std::to_string(d)).c_str());
+                    ggml_set_name(rows, "rows64");
+                    ggml_set_name(plans, ("plans" + std::to_string(d)).c_str());
+                    ggml_tensor * out = ggml_set_rows(ctx, dst, src, rows);
+                    ggml_kvct_set_plans(out, plans);
+                    return out;
+                }, ggml_row_size(type, d), 0.02);
+            }
+            for (int64_t n_q : { 1, 2, 8 }) {
+                for (ggml_type tv : { GGML_TYPE_KVC4, GGML_TYPE_KVC3 }) {
+                    char name[128];
+                    snprintf(name, sizeof(name), "FLASH_ATTN_EXT K=%s V=%s d=%lld n_q=%lld before RoPE", ggml_type_name(type),
+                             ggml_type_name(tv), (long long) d, (long long) n_q);
+                    const int64_t n_kv = 700, n_head_q = 6;
+                    t.compare(name, [&](ggml_context * ctx) {
+                        ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, d, n_q, n_head_q);
+                        ggml_tensor * kc = ggml_new_tensor_2d(ctx, type, d*n_head, n_kv);
+                        ggml_set_name(kc, ("kvct" + std::to_string(d)).c_str());
+                        ggml_tensor * k = ggml_view_3d(ctx, kc, d, n_kv, n_head, kc->nb[1], ggml_row_size(type, d), 0);
+                        ggml_tensor * v = cache_view(ctx, tv, d, n_kv, n_head);
+                        ggml_tensor * mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_q);
+                        ggml_set_name(mask, "mask");
+                        ggml_tensor * plans = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, n_head*sizeof(kvc_t_plan) + sizeof(kvc_t_rope));
+                        ggml_set_name(plans, ("plans" + std::to_string(d)).c_str());
+                        ggml_tensor * pos = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_kv, 1);
+                        ggml_set_name(pos, "pos");
+                        ggml_tensor * out = ggml_flash_attn_ext(ctx, q, k, v, mask, 1.0f / std::sqrt((float) d), 0.0f, 0.0f);
+                        ggml_prec_set_acc(out, GGML_PREC_F32);
+                        ggml_kvct_set_plans(out, ggml_kvct_plans_view(ctx, plans, pos));
+                        return out;
+                    }, 1e-5);
+                }
+            }
+        }
+    }
+}
+
 } // namespace
 
 int main() {
@@ -300,6 +444,7 @@ int main() {
     tester t = { cpu, gpu, {} };
     test_rows_and_copies(t);
     test_flash_attn(t);
+    test_kvct(t);
 
     ggml_backend_free(gpu);
     ggml_backend_free(cpu);

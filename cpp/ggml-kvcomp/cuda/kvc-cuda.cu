@@ -4,6 +4,8 @@
 // checks every op here against the CPU backend.
 
 #include "kvc-cuda.cuh"
+#include "kvc-cuda-common.cuh"
+#include "kvc-kvct-cuda.cuh"
 
 #include "kvc-common.h"
 
@@ -39,18 +41,6 @@ __device__ __forceinline__ void kvc_load_levels(float * lv, int tid, int n_threa
             lv[i] = kvc_levels_kvc2_dev[i];
         }
     }
-}
-
-// kvc_e8_to_fp32 with the fraction picked by selects, not an indexed (local-memory) table.
-__device__ __forceinline__ float kvc_step(uint8_t e) {
-    constexpr float frac_tab[8] = KVC_E8_FRAC;
-    const int f = e & 7;
-    float frac = frac_tab[0];
-#pragma unroll
-    for (int i = 1; i < 8; ++i) {
-        frac = f == i ? frac_tab[i] : frac;
-    }
-    return e ? __uint_as_float(((uint32_t) (e >> 3) + 107u) << 23) * frac : 0.0f;
 }
 
 // The code of value j (0..31) of a low-bit block b.
@@ -350,22 +340,6 @@ __global__ void k_kvc_rows_from_float(const char * __restrict__ src, char * __re
     kvc_quantize_block_warp<type>(v, (uint8_t *) dst + rows.dst(r) + ib*kvc_block_size<type>, lv, lane);
 }
 
-// SET_ROWS: row (i01, i02, i03) of src0 goes to row src1[i01, i02 % ne11, i03 % ne12] of plane (i02, i03)
-template <typename idx_t>
-struct kvc_rows_scattered {
-    const char * ids;
-    int64_t ne01, ne02, ne11, ne12;
-    int64_t nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3;
-
-    __device__ __forceinline__ int64_t src(int64_t r) const {
-        return (r % ne01)*nb01 + ((r / ne01) % ne02)*nb02 + (r / (ne01*ne02))*nb03;
-    }
-    __device__ __forceinline__ int64_t dst(int64_t r) const {
-        const int64_t i01 = r % ne01, i02 = (r / ne01) % ne02, i03 = r / (ne01*ne02);
-        return (int64_t) *(const idx_t *) (ids + i01*nb10 + (i02 % ne11)*nb11 + (i03 % ne12)*nb12)*nb1 + i02*nb2 + i03*nb3;
-    }
-};
-
 // the kernels above for a kvc type and a float type known at run time
 template <typename rows_t>
 void kvc_rows_to_float(ggml_type type, ggml_type dst_type, const void * src, void * dst, int64_t ne00, int64_t n_rows,
@@ -420,6 +394,11 @@ struct kvc_fattn_params {
     float scale, softcap, m0, m1;
     uint32_t n_head_log2;
     int n_chunks;
+    // kvct K: the plans (one per KV head, then the layer's kvc_t_rope) and, for rows coded
+    // before RoPE, the cells' positions ([pos_ne0 cells, streams], K's first stream pos_s0)
+    const kvc_t_plan * plans;
+    const int32_t * pos;
+    int64_t pos_ne0, pos_s0;
 };
 
 template <int D>
@@ -474,7 +453,11 @@ __global__ void __launch_bounds__(KVC_FA_WARPS*WARP_SIZE) k_kvc_fattn_vec(const 
     const int lane = tid % WARP_SIZE;
     const int warp = tid / WARP_SIZE;
 
-    kvc_load_levels<type_K>(lv_k, tid, blockDim.x);
+    constexpr bool kvct = kvc_is_kvct(type_K);
+    __shared__ std::conditional_t<kvct, kvct_plan_smem<D>, char> kp_s;
+    if constexpr (!kvct) {
+        kvc_load_levels<type_K>(lv_k, tid, blockDim.x);
+    }
     kvc_load_levels<type_V>(lv_v, tid, blockDim.x);
 
     const int     chunk = blockIdx.x;
@@ -500,6 +483,9 @@ __global__ void __launch_bounds__(KVC_FA_WARPS*WARP_SIZE) k_kvc_fattn_vec(const 
     const int64_t kb = (lane*EPL) / QK_KVC; // block of this lane's V values in a row
 
     const float * qrow = (const float *) (p.Q + iq1*p.nbq1 + h*p.nbq2 + iq3*p.nbq3);
+    if constexpr (kvct) {
+        kvct_plan_load<D>(kp_s, p.plans + hk, (const kvc_t_rope *) (p.plans + p.n_head_k), p.pos != nullptr, tid, blockDim.x);
+    }
     for (int i = tid; i < D; i += blockDim.x) {
         q_s[i] = qrow[i] * p.scale;
     }
@@ -511,7 +497,13 @@ __global__ void __launch_bounds__(KVC_FA_WARPS*WARP_SIZE) k_kvc_fattn_vec(const 
         const float mv = mrow ? slope*__half2float(mrow[c]) : 0.0f;
         float sc = -INFINITY;
         if (mv != -INFINITY) {
-            float dot = kvc_dot_row<type_K, D>((const uint8_t *) Kh + c*p.nbk1, q_s, lv_k);
+            float dot;
+            if constexpr (kvct) {
+                const int64_t pos = kp_s.turn ? p.pos[(p.pos_s0 + iq3 / (p.n_q3 / p.n_k3))*p.pos_ne0 + c] : 0;
+                dot = kvct_dot_row<D>(kp_s, (const uint8_t *) Kh + c*p.nbk1, pos, q_s);
+            } else {
+                dot = kvc_dot_row<type_K, D>((const uint8_t *) Kh + c*p.nbk1, q_s, lv_k);
+            }
             if (p.softcap != 0.0f) {
                 dot = p.softcap*tanhf(dot);
             }
@@ -619,12 +611,21 @@ constexpr bool kvc_fattn_pair(ggml_type type_K, ggml_type type_V) {
 }
 
 static bool kvc_fattn_pair_supported(ggml_type type_K, ggml_type type_V) {
-    return ggml_cuda_kvc_is_kvc(type_K) && ggml_cuda_kvc_is_kvc(type_V) && kvc_fattn_pair(type_K, type_V);
+    return ggml_cuda_kvc_is_kvc(type_V) &&
+           (ggml_kvcomp_is_kvct(type_K) || (ggml_cuda_kvc_is_kvc(type_K) && kvc_fattn_pair(type_K, type_V)));
 }
 
 template <int D>
 bool kvc_fattn_vec_dispatch_d(ggml_type type_K, ggml_type type_V, const kvc_fattn_params & p, cudaStream_t stream) {
     bool done = false;
+    if (ggml_kvcomp_is_kvct(type_K)) {
+        // one kernel for every kvct type: the row's bits are the plan's
+        kvc_dispatch(type_V, [&](auto tv) {
+            kvc_fattn_vec_launch<D, GGML_TYPE_KVCT4, decltype(tv)::value>(p, stream);
+            done = true;
+        });
+        return done;
+    }
     kvc_dispatch(type_K, [&](auto tk) {
         kvc_dispatch(type_V, [&](auto tv) {
             constexpr ggml_type tK = decltype(tk)::value;
@@ -659,6 +660,9 @@ to_fp32_nc_cuda_t ggml_cuda_kvc_get_to_fp32_nc(ggml_type type) {
 bool ggml_cuda_kvc_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * src0 = dst->src[0];
     const ggml_tensor * src1 = dst->src[1];
+    if (ggml_cuda_kvct_set_rows(ctx, dst)) {
+        return true;
+    }
     if (!ggml_cuda_kvc_is_kvc(dst->type)) {
         return false;
     }
@@ -717,9 +721,25 @@ bool ggml_cuda_kvc_fattn_vec_applies(const ggml_tensor * dst) {
     const ggml_tensor * K = dst->src[1];
     const ggml_tensor * V = dst->src[2];
     const int64_t D = Q->ne[0];
+    if (ggml_kvcomp_is_kvct(K->type)) {
+        const ggml_tensor * plans = ggml_kvct_get_plans(dst);
+        if (!plans || kvc_t_plans_n_head(ggml_nbytes(plans)) != K->ne[2] || kvc_t_type_row_bits(K->type, D) == 0 ||
+            ggml_flash_attn_ext_has_exact(dst)) {
+            return false;
+        }
+        // the positions are read as [cells, streams] of I32 from K's first stream on
+        const ggml_tensor * pos = ggml_kvct_get_positions(dst);
+        if (pos && (pos->type != GGML_TYPE_I32 || !ggml_is_contiguous(pos) || pos->ne[0] < K->ne[1])) {
+            return false;
+        }
+    }
     return kvc_fattn_pair_supported(K->type, V->type) && (D == 64 || D == 128 || D == 256) &&
            K->ne[0] == D && V->ne[0] == D && Q->type == GGML_TYPE_F32 &&
            K->nb[0] == ggml_type_size(K->type) && V->nb[0] == ggml_type_size(V->type);
+}
+
+bool ggml_cuda_kvct_fattn_applies(const ggml_tensor * dst) {
+    return ggml_kvcomp_is_kvct(dst->src[1]->type) && ggml_cuda_kvc_fattn_vec_applies(dst);
 }
 
 bool ggml_cuda_kvc_flash_attn_ext_vec(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -759,6 +779,13 @@ bool ggml_cuda_kvc_flash_attn_ext_vec(ggml_backend_cuda_context & ctx, ggml_tens
     p.m0 = max_bias > 0.0f ? powf(2.0f, -max_bias / p.n_head_log2) : 1.0f;
     p.m1 = max_bias > 0.0f ? powf(2.0f, -(max_bias / 2.0f) / p.n_head_log2) : 1.0f;
     p.n_chunks = (int) ((p.n_kv + KVC_FA_CHUNK - 1) / KVC_FA_CHUNK);
+    if (ggml_kvcomp_is_kvct(K->type)) {
+        const ggml_tensor * pos = ggml_kvct_get_positions(dst);
+        p.plans   = (const kvc_t_plan *) ggml_kvct_get_plans(dst)->data;
+        p.pos     = pos ? (const int32_t *) pos->data : nullptr;
+        p.pos_ne0 = pos ? pos->ne[0] : 0;
+        p.pos_s0  = K->view_src ? (int64_t) (K->view_offs / K->nb[3]) : 0;
+    }
 
     const int64_t D = Q->ne[0];
     ggml_cuda_pool_alloc<float> part(ctx.pool(), (size_t) (p.n_head*p.n_q*p.n_q3*p.n_chunks*(D + 2)));
@@ -775,6 +802,10 @@ bool ggml_cuda_kvc_flash_attn_ext_vec(ggml_backend_cuda_context & ctx, ggml_tens
 int ggml_cuda_kvc_supports_op(const ggml_tensor * op) {
     const ggml_tensor * src0 = op->src[0];
     const ggml_tensor * src1 = op->src[1];
+    const int kvct = ggml_cuda_kvct_supports_op(op);
+    if (kvct >= 0) {
+        return kvct;
+    }
     switch (op->op) {
         case GGML_OP_SET_ROWS:
             if (!ggml_cuda_kvc_is_kvc(op->type)) {
