@@ -10,6 +10,7 @@
 //
 // Exits 77 (skipped, CTest's SKIP_RETURN_CODE) when the machine has no GPU backend.
 
+#include "ggml-kvcomp.h"
 #include "kvc-test-util.h"
 #include "kvc-transform.h"
 
