@@ -229,6 +229,7 @@ int ggml_cuda_kvct_supports_op(const ggml_tensor * op) {
             return ggml_kvcomp_is_kvct(op->type) && n_head > 0 && op->ne[0] % n_head == 0 &&
                    kvc_t_type_row_bits(op->type, op->ne[0] / n_head) > 0 &&
                    (op->src[0]->type == GGML_TYPE_F32 || op->src[0]->type == GGML_TYPE_F16) &&
+                   op->src[0]->nb[0] == ggml_type_size(op->src[0]->type) &&
                    (op->src[1]->type == GGML_TYPE_I32 || op->src[1]->type == GGML_TYPE_I64);
         }
         case GGML_OP_FLASH_ATTN_EXT:
