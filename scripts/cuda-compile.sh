@@ -2,8 +2,10 @@
 # The CUDA check that needs no GPU (part of scripts/test.sh): compiles our kernels
 # (cpp/ggml-kvcomp/cuda) and the ggml-cuda files that patch 0011 hooks them into, for sm_80,
 # sm_86, sm_89 and sm_90, with upstream's own flags: a CMake configure of the CUDA backend, then
-# only those objects. Nothing is linked, so only cuBLAS's headers are needed; they come from
-# the nvidia-cublas wheel on PyPI, cached in $KVCOMP_CACHE. Without nvcc it says so and exits 0.
+# only those objects. Then it builds and runs test-kvc-kvct-cuda-host, the kernels' kvct
+# decoder as host code against the C reference (ggml-base and the CUDA runtime, no GPU).
+# cuBLAS is never linked, so only its headers are needed; they come from the nvidia-cublas
+# wheel on PyPI, cached in $KVCOMP_CACHE. Without nvcc it says so and exits 0.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,4 +56,7 @@ if [ "${#objects[@]}" -lt 2 ]; then
 fi
 echo "cuda-compile: ${#objects[@]} objects for sm ${archs}" >&2
 ninja -C "$build" -j "$jobs" "${objects[@]}" >&2
+# the kernels' kvct decoder as host code against the C reference: links the CUDA runtime, no GPU
+ninja -C "$build" -j "$jobs" test-kvc-kvct-cuda-host >&2
+"$build/bin/test-kvc-kvct-cuda-host" >&2
 echo "cuda-compile: ok" >&2

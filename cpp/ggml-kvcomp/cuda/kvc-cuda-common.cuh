@@ -7,18 +7,30 @@
 
 #include "kvc-common.h"
 
+#include <cstring>
+
 namespace {
 
-// kvc_e8_to_fp32 with the fraction picked by selects, not an indexed (local-memory) table.
-__device__ __forceinline__ float kvc_step(uint8_t e) {
+// kvc_e8_to_fp32 with the fraction picked by selects, not an indexed (local-memory) table
+// (host code too: the host test of the kvct decoder, test-kvc-kvct-cuda-host).
+__host__ __device__ __forceinline__ float kvc_step(uint8_t e) {
     constexpr float frac_tab[8] = KVC_E8_FRAC;
     const int f = e & 7;
     float frac = frac_tab[0];
+#ifdef __CUDA_ARCH__
 #pragma unroll
+#endif
     for (int i = 1; i < 8; ++i) {
         frac = f == i ? frac_tab[i] : frac;
     }
-    return e ? __uint_as_float(((uint32_t) (e >> 3) + 107u) << 23) * frac : 0.0f;
+    const uint32_t bits = ((uint32_t) (e >> 3) + 107u) << 23;
+#ifdef __CUDA_ARCH__
+    const float p = __uint_as_float(bits);
+#else
+    float p;
+    memcpy(&p, &bits, sizeof(p));
+#endif
+    return e ? p * frac : 0.0f;
 }
 
 // SET_ROWS: row (i01, i02, i03) of src0 goes to row src1[i01, i02 % ne11, i03 % ne12] of plane (i02, i03)

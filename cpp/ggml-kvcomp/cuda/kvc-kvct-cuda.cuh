@@ -22,16 +22,29 @@ constexpr int KVCT_N_MIDS   = (2 << KVC_T_MAX_BITS) - KVC_T_MAX_BITS - 2; // 2^b
 __constant__ float kvct_levels_dev[KVCT_N_LEVELS] = KVC_LM_LEVELS;
 __constant__ float kvct_mids_dev[KVCT_N_MIDS]     = KVC_LM_MIDS;
 
+// The decoding side below is host code too, so that test-kvc-kvct-cuda-host can check it
+// against the C reference on a machine without a GPU.
+
+// level i of the table (the host's copy in host code)
+__host__ __device__ __forceinline__ float kvct_level(int i) {
+#ifdef __CUDA_ARCH__
+    return kvct_levels_dev[i];
+#else
+    static const float levels[KVCT_N_LEVELS] = KVC_LM_LEVELS;
+    return levels[i];
+#endif
+}
+
 // where the levels and thresholds of b bits start in the tables (kvc-transform.c's layout)
-__device__ __forceinline__ int kvct_levels_at(int b) {
+__host__ __device__ __forceinline__ int kvct_levels_at(int b) {
     return (1 << b) - 2;
 }
-__device__ __forceinline__ int kvct_mids_at(int b) {
+__host__ __device__ __forceinline__ int kvct_mids_at(int b) {
     return (1 << b) - b - 1;
 }
 
 // b (1..8) bits of row x from bit `off` on, LSB first (a code spans at most two bytes)
-__device__ __forceinline__ int kvct_code(const uint8_t * x, int off, int b) {
+__host__ __device__ __forceinline__ int kvct_code(const uint8_t * x, int off, int b) {
     const int i = off >> 3;
     const int r = off & 7;
     uint32_t v = x[i] >> r;
@@ -43,7 +56,7 @@ __device__ __forceinline__ int kvct_code(const uint8_t * x, int off, int b) {
 
 // The (cos, sin) of the angle pos * theta, taken in double and reduced before the float
 // sincos, as kvc_t_rope_cs takes it within float rounding.
-__device__ __forceinline__ void kvct_turn(int64_t pos, float theta, float & c, float & s) {
+__host__ __device__ __forceinline__ void kvct_turn(int64_t pos, float theta, float & c, float & s) {
     const double a = (double) pos * (double) theta;
     const double two_pi = 6.283185307179586;
     sincosf((float) (a - two_pi * rint(a / two_pi)), &s, &c);
@@ -65,10 +78,10 @@ struct kvct_plan_smem {
 
 // Fills sp from plan (every thread of the block calls it; a __syncthreads() must follow).
 template <int D>
-__device__ void kvct_plan_load(kvct_plan_smem<D> & sp, const kvc_t_plan * plan, const kvc_t_rope * rope, bool have_pos,
+__host__ __device__ void kvct_plan_load(kvct_plan_smem<D> & sp, const kvc_t_plan * plan, const kvc_t_rope * rope, bool have_pos,
                                int tid, int n_threads) {
     for (int i = tid; i < KVCT_N_LEVELS; i += n_threads) {
-        sp.lv[i] = kvct_levels_dev[i];
+        sp.lv[i] = kvct_level(i);
     }
     for (int j = tid; j < D; j += n_threads) {
         sp.sigma[j] = plan->sigma[j];
@@ -97,14 +110,14 @@ __device__ void kvct_plan_load(kvct_plan_smem<D> & sp, const kvc_t_plan * plan, 
 
 // Coefficient j of a row whose scale is e (0: a zero row).
 template <int D>
-__device__ __forceinline__ float kvct_coef(const kvct_plan_smem<D> & sp, const uint8_t * x, float e, int j) {
+__host__ __device__ __forceinline__ float kvct_coef(const kvct_plan_smem<D> & sp, const uint8_t * x, float e, int j) {
     const int b = sp.bits[j];
     return b > 0 ? sp.lv[kvct_levels_at(b) + kvct_code(x, sp.off[j], b)] * sp.sigma[j] * e : 0.0f;
 }
 
 // q . (row x decoded, turned to position pos when the plan's layer turns rows)
 template <int D>
-__device__ __forceinline__ float kvct_dot_row(const kvct_plan_smem<D> & sp, const uint8_t * x, int64_t pos, const float * q) {
+__host__ __device__ __forceinline__ float kvct_dot_row(const kvct_plan_smem<D> & sp, const uint8_t * x, int64_t pos, const float * q) {
     const float e = kvc_step(x[0]);
     float sum = 0.0f;
     for (int p = 0; p < D/2; ++p) {
