@@ -11,8 +11,8 @@
 // Exits 77 (skipped, CTest's SKIP_RETURN_CODE) when the machine has no GPU backend.
 
 #include "ggml-kvcomp.h"
+#include "kvc-test-plans.h"
 #include "kvc-test-util.h"
-#include "kvc-transform.h"
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -37,39 +37,16 @@ const ggml_type kvc_types[] = { GGML_TYPE_KVC8, GGML_TYPE_KVC4, GGML_TYPE_KVC3, 
 // by side, as NORMAL RoPE orders them), then a RoPE that turns every pair: a plans tensor's bytes.
 std::vector<uint8_t> make_plans(ggml_type type, int64_t d, int64_t n_head, uint32_t seed) {
     std::mt19937 rng(seed);
-    std::uniform_real_distribution<float> u(0.0f, 1.0f);
     std::vector<uint8_t> bytes(n_head*sizeof(kvc_t_plan) + sizeof(kvc_t_rope), 0);
-    std::vector<int16_t> pair(d);
-    std::vector<float> mean(d), k2(3*d/2), w(3*d/2);
-    for (int64_t p = 0; p < d/2; ++p) {
-        pair[2*p] = (int16_t) (2*p);
-        pair[2*p + 1] = (int16_t) (2*p + 1);
-    }
     for (int64_t h = 0; h < n_head; ++h) {
-        for (int64_t p = 0; p < d/2; ++p) {
-            // energies spread over three decades, correlated pairs, a few channels with a mean
-            const float va = std::pow(10.0f, -2.0f + 3.0f*u(rng)), vb = std::pow(10.0f, -2.0f + 3.0f*u(rng));
-            const float rho = 1.6f*u(rng) - 0.8f;
-            k2[3*p] = va; k2[3*p + 1] = rho*std::sqrt(va*vb); k2[3*p + 2] = vb;
-            w[3*p] = 0.5f + u(rng); w[3*p + 1] = 0.0f; w[3*p + 2] = 0.5f + u(rng);
-            mean[2*p] = u(rng) < 0.1f ? 4.0f*u(rng) - 2.0f : 0.0f;
-            mean[2*p + 1] = 0.0f;
-        }
-        const kvc_t_stats st = { (int32_t) d, (const int16_t (*)[2]) pair.data(), mean.data(),
-                                 (const float (*)[3]) k2.data(), (const float (*)[3]) w.data() };
         kvc_t_plan plan;
-        if (!kvc_t_plan_fit(&plan, &st, KVC_T_BASIS_PAIR_AXES, kvc_t_type_row_bits(type, d))) {
+        if (!fit_random_plan(plan, type, (int) d, false, 3.0f, rng)) {
             fprintf(stderr, "test-kvc-backend: no plan for %s d=%lld\n", ggml_type_name(type), (long long) d);
             exit(1);
         }
         memcpy(bytes.data() + h*sizeof(kvc_t_plan), &plan, sizeof(plan));
     }
-    kvc_t_rope rope = {};
-    rope.n_pairs = (int32_t) (d/2);
-    rope.mscale  = 1.0f;
-    for (int64_t p = 0; p < d/2; ++p) {
-        rope.theta[p] = std::pow(10000.0f, -2.0f*p/d);
-    }
+    const kvc_t_rope rope = make_rope((int) d, 1.0f);
     memcpy(bytes.data() + n_head*sizeof(kvc_t_plan), &rope, sizeof(rope));
     return bytes;
 }

@@ -7,11 +7,14 @@
 // type, positions up to 60000, zero rows, a plan with 8-bit coefficients.
 
 #include "cuda/kvc-kvct-cuda.cuh"
+#include "kvc-test-plans.h"
 
 #include <cmath>
 #include <cstdio>
 #include <random>
 #include <vector>
+
+using namespace kvc_test;
 
 namespace {
 
@@ -24,42 +27,17 @@ void check(bool ok, const char * what, double err, double bound) {
     printf("  [%s] %s: %.2e <= %.0e\n", ok ? "ok" : "FAIL", what, err, bound);
 }
 
-// a plan fitted to random statistics: energies over three decades, correlated pairs, a mean
-// on some channels; `spread` widens the energies so that some coefficients take 8 bits
-bool fit_plan(kvc_t_plan & plan, ggml_type type, int d, bool neox, float spread, std::mt19937 & rng) {
-    std::uniform_real_distribution<float> u(0.0f, 1.0f);
-    std::vector<int16_t> pair(d);
-    std::vector<float> mean(d, 0.0f), k2(3*d/2), w(3*d/2);
-    for (int p = 0; p < d/2; ++p) {
-        pair[2*p]     = (int16_t) (neox ? p : 2*p);
-        pair[2*p + 1] = (int16_t) (neox ? p + d/2 : 2*p + 1);
-        const float va = std::pow(10.0f, spread*(u(rng) - 0.5f)), vb = std::pow(10.0f, spread*(u(rng) - 0.5f));
-        const float rho = 1.6f*u(rng) - 0.8f;
-        k2[3*p] = va; k2[3*p + 1] = rho*std::sqrt(va*vb); k2[3*p + 2] = vb;
-        w[3*p] = 0.5f + u(rng); w[3*p + 1] = 0.1f; w[3*p + 2] = 0.5f + u(rng);
-        mean[pair[2*p]] = u(rng) < 0.2f ? 4.0f*u(rng) - 2.0f : 0.0f;
-    }
-    const kvc_t_stats st = { d, (const int16_t (*)[2]) pair.data(), mean.data(), (const float (*)[3]) k2.data(),
-                             (const float (*)[3]) w.data() };
-    return kvc_t_plan_fit(&plan, &st, KVC_T_BASIS_PAIR_AXES, kvc_t_type_row_bits(type, d));
-}
-
 template <int D>
 void test_head(ggml_type type, bool neox, float spread, uint32_t seed) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> g(0.0f, 1.0f);
     std::uniform_int_distribution<int> position(0, 60000);
     kvc_t_plan plan;
-    if (!fit_plan(plan, type, D, neox, spread, rng)) {
+    if (!fit_random_plan(plan, type, D, neox, spread, rng)) {
         check(false, "plan fit", 0.0, 0.0);
         return;
     }
-    kvc_t_rope rope = {};
-    rope.n_pairs = D/2;
-    rope.mscale  = 1.0f + 0.1f*(seed % 3);
-    for (int p = 0; p < D/2; ++p) {
-        rope.theta[p] = std::pow(10000.0f, -2.0f*p/D);
-    }
+    const kvc_t_rope rope = make_rope(D, 1.0f + 0.1f*(seed % 3));
     static kvct_plan_smem<D> sp; // as a block of the attention kernel holds it
     kvct_plan_load<D>(sp, &plan, &rope, true, 0, 1);
 

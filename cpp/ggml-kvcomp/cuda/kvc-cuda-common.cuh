@@ -49,4 +49,15 @@ struct kvc_rows_scattered {
     }
 };
 
+// the rows of a SET_ROWS node
+template <typename idx_t>
+kvc_rows_scattered<idx_t> kvc_rows_scattered_of(const ggml_tensor * dst) {
+    const ggml_tensor * src0 = dst->src[0];
+    const ggml_tensor * src1 = dst->src[1];
+    return { (const char *) src1->data, src0->ne[1], src0->ne[2], src1->ne[1], src1->ne[2],
+             (int64_t) src0->nb[1], (int64_t) src0->nb[2], (int64_t) src0->nb[3],
+             (int64_t) src1->nb[0], (int64_t) src1->nb[1], (int64_t) src1->nb[2],
+             (int64_t) dst->nb[1], (int64_t) dst->nb[2], (int64_t) dst->nb[3] };
+}
+
 } // namespace

@@ -483,8 +483,11 @@ __global__ void __launch_bounds__(KVC_FA_WARPS*WARP_SIZE) k_kvc_fattn_vec(const 
     const int64_t kb = (lane*EPL) / QK_KVC; // block of this lane's V values in a row
 
     const float * qrow = (const float *) (p.Q + iq1*p.nbq1 + h*p.nbq2 + iq3*p.nbq3);
+    // kvct: the positions of this stream's cells
+    const int32_t * pos_s = nullptr;
     if constexpr (kvct) {
         kvct_plan_load<D>(kp_s, p.plans + hk, (const kvc_t_rope *) (p.plans + p.n_head_k), p.pos != nullptr, tid, blockDim.x);
+        pos_s = p.pos ? p.pos + (p.pos_s0 + iq3 / (p.n_q3 / p.n_k3))*p.pos_ne0 : nullptr;
     }
     for (int i = tid; i < D; i += blockDim.x) {
         q_s[i] = qrow[i] * p.scale;
@@ -499,8 +502,7 @@ __global__ void __launch_bounds__(KVC_FA_WARPS*WARP_SIZE) k_kvc_fattn_vec(const 
         if (mv != -INFINITY) {
             float dot;
             if constexpr (kvct) {
-                const int64_t pos = kp_s.turn ? p.pos[(p.pos_s0 + iq3 / (p.n_q3 / p.n_k3))*p.pos_ne0 + c] : 0;
-                dot = kvct_dot_row<D>(kp_s, (const uint8_t *) Kh + c*p.nbk1, pos, q_s);
+                dot = kvct_dot_row<D>(kp_s, (const uint8_t *) Kh + c*p.nbk1, kp_s.turn ? pos_s[c] : 0, q_s);
             } else {
                 dot = kvc_dot_row<type_K, D>((const uint8_t *) Kh + c*p.nbk1, q_s, lv_k);
             }
@@ -669,12 +671,8 @@ bool ggml_cuda_kvc_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
     GGML_TENSOR_BINARY_OP_LOCALS
 
     auto run = [&](auto idx) {
-        using idx_t = decltype(idx);
-        const kvc_rows_scattered<idx_t> rows = { (const char *) src1->data, ne01, ne02, ne11, ne12,
-            (int64_t) nb01, (int64_t) nb02, (int64_t) nb03, (int64_t) nb10, (int64_t) nb11, (int64_t) nb12,
-            (int64_t) nb1, (int64_t) nb2, (int64_t) nb3 };
-        kvc_rows_from_float(dst->type, src0->type, src0->data, dst->data, ne00, ne01*ne02*ne03, (int64_t) nb00, rows,
-                            ctx.stream());
+        kvc_rows_from_float(dst->type, src0->type, src0->data, dst->data, ne00, ne01*ne02*ne03, (int64_t) nb00,
+                            kvc_rows_scattered_of<decltype(idx)>(dst), ctx.stream());
     };
     if (src1->type == GGML_TYPE_I64) {
         run(int64_t());

@@ -197,12 +197,8 @@ bool ggml_cuda_kvct_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst)
     const int n_blocks = (int) ((n_rows*n_head + KVCT_Q_WARPS - 1) / KVCT_Q_WARPS);
 
     auto run = [&](auto idx, auto val) {
-        using idx_t = decltype(idx);
-        using src_t = decltype(val);
-        const kvc_rows_scattered<idx_t> rows = { (const char *) src1->data, ne01, ne02, ne11, ne12,
-            (int64_t) nb01, (int64_t) nb02, (int64_t) nb03, (int64_t) nb10, (int64_t) nb11, (int64_t) nb12,
-            (int64_t) nb1, (int64_t) nb2, (int64_t) nb3 };
-        k_kvct_rows_from_float<src_t><<<n_blocks, KVCT_Q_WARPS*WARP_SIZE, 0, ctx.stream()>>>(
+        const auto rows = kvc_rows_scattered_of<decltype(idx)>(dst);
+        k_kvct_rows_from_float<decltype(val)><<<n_blocks, KVCT_Q_WARPS*WARP_SIZE, 0, ctx.stream()>>>(
             (const char *) src0->data, (char *) dst->data, (const kvc_t_plan *) plans->data, n_head, n_rows, row_size, rows);
     };
     const bool i64 = src1->type == GGML_TYPE_I64;
