@@ -10,6 +10,9 @@
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define KVC_T_VBMI
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVC_T_AVX2
 #endif
 
 #if defined(__GNUC__)
@@ -288,6 +291,29 @@ static void kvc_t_turn(int32_t pairing, int32_t n, const float * v, const kvc_t_
         }
         return;
     }
+#elif defined(KVC_T_AVX2)
+    if (n % 8 == 0) {
+        const __m256i dup[2] = { _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7) };
+        for (int32_t p = 0; p < n; p += 8) {
+            const __m256 bc = _mm256_loadu_ps(w->bc + p), bs = _mm256_loadu_ps(w->bs + p);
+            const __m256 tcp = _mm256_loadu_ps(tc + p), tsp = _mm256_loadu_ps(ts + p);
+            const __m256 cp = _mm256_fmsub_ps(bc, tcp, _mm256_mul_ps(bs, tsp));
+            const __m256 sp = _mm256_fmadd_ps(bs, tcp, _mm256_mul_ps(bc, tsp));
+            if (pairing == 1) {
+                // 4 pairs side by side a vector: c a -+ s a', a' the pairs swapped
+                for (int h = 0; h < 2; ++h) {
+                    const __m256 a  = _mm256_loadu_ps(v + 2 * p + 8 * h);
+                    const __m256 sw = _mm256_mul_ps(_mm256_permutevar8x32_ps(sp, dup[h]), _mm256_permute_ps(a, 0xB1));
+                    _mm256_storeu_ps(y + 2 * p + 8 * h, _mm256_fmaddsub_ps(_mm256_permutevar8x32_ps(cp, dup[h]), a, sw));
+                }
+            } else {
+                const __m256 a = _mm256_loadu_ps(v + p), b = _mm256_loadu_ps(v + p + n);
+                _mm256_storeu_ps(y + p,     _mm256_fmsub_ps(cp, a, _mm256_mul_ps(sp, b)));
+                _mm256_storeu_ps(y + p + n, _mm256_fmadd_ps(sp, a, _mm256_mul_ps(cp, b)));
+            }
+        }
+        return;
+    }
 #endif
     const float * bc = w->bc;
     const float * bs = w->bs;
@@ -532,6 +558,40 @@ void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const ui
             }
             for (int32_t g = 0; g < gn; ++g) {
                 _mm512_mask_storeu_ps(d + g * ld + i0, (__mmask16) ((1u << m) - 1), kvc_t_hsum16(acc[g]));
+            }
+        }
+        return;
+    }
+#elif defined(KVC_T_AVX2)
+    if (dd % 8 == 0) {
+        // 8 rows' products a tile, summed across lanes for all 8 at once
+        float y[KVC_T_MAX_D];
+        for (int32_t i0 = 0; i0 < n; i0 += 8) {
+            const int32_t m = n - i0 < 8 ? n - i0 : 8;
+            __m256 acc[KVC_T_DOTS_MAX_Q][8];
+            for (int32_t i = 0; i < 8; ++i) {
+                if (i < m) {
+                    if (w) {
+                        kvc_t_walk_step(w, pos[i0 + i]);
+                    }
+                    kvc_t_row_to(dec, w, rows[i0 + i], y);
+                }
+                for (int32_t g = 0; g < gn; ++g) {
+                    __m256 a = _mm256_setzero_ps();
+                    for (int32_t c = 0; c < dd && i < m; c += 8) {
+                        a = _mm256_fmadd_ps(_mm256_loadu_ps(y + c), _mm256_loadu_ps(q[g] + c), a);
+                    }
+                    acc[g][i] = a;
+                }
+            }
+            for (int32_t g = 0; g < gn; ++g) {
+                const __m256 * a = acc[g];
+                const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+                const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+                float out[8];
+                _mm256_storeu_ps(out, sum);
+                memcpy(d + g * ld + i0, out, m * sizeof(float));
             }
         }
         return;

@@ -1246,7 +1246,9 @@ void llama_kvcomp_buffer::cache_types(const llama_kv_cache & kv, ggml_type & typ
         ggml_type out = (kv.layers[0].*t)->type;
         for (const auto & l : kv.layers) {
             const size_t n = std::count_if(kv.layers.begin(), kv.layers.end(), [&](const auto & o) { return (o.*t)->type == (l.*t)->type; });
-            if (n > best) {
+            // a tie goes to the wider type: a per-layer rule narrows the edges of the -ctk type,
+            // and a 4-layer model has as many edge layers as others
+            if (n > best || (n == best && ggml_row_size((l.*t)->type, 256) > ggml_row_size(out, 256))) {
                 best = n;
                 out  = (l.*t)->type;
             }
