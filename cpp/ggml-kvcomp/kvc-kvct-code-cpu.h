@@ -1,7 +1,8 @@
 #pragma once
 
 // Coding kvct rows on the CPU (kvc-kvct-code-cpu.c): the bytes of quantize_row_kvct_ref, its
-// row scale's search vectorized where the build has AVX-512. Internal to the CPU backend.
+// row scale's search vectorized where the build has AVX-512 or AVX2. Internal to the CPU
+// backend.
 
 #include "kvc-transform.h"
 
