@@ -2,7 +2,7 @@
 SmolLM2; the differential fuzzer test-kvc-fuzz gets its F32 copy (on the Q4_1 file any kernel
 change is a fresh draw of quantization noise, which would hide what the buffer does) and 120 s;
 the state-file fuzzer test-kvc-state gets SmolLM2 and 40 s, and writes its slot files in a
-temporary folder."""
+temporary folder; test-kvc-plans gets SmolLM2 and its K statistics (`kvcomp calibrate`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ggml_kvcomp import models
+from ggml_kvcomp import calibrate, models
 
 MODELS: dict[str, tuple[str, list[str]]] = {
     "test-kvc-llama": ("smollm2-135m", []),
@@ -28,7 +28,10 @@ def test_cpp(bins: Path, name: str, tmp_path: Path) -> None:
     args = [str(bins / name)]
     if name in MODELS:
         model, extra = MODELS[name]
-        args += [str(models.fetch_model(model)), *extra]
+        path = models.fetch_model(model)
+        args += [str(path), *extra]
+        if name == "test-kvc-plans":
+            args.append(str(calibrate.ensure_kstats(path)))
     _check(subprocess.run(args, capture_output=True, text=True, timeout=1200, cwd=tmp_path))
 
 

@@ -1,13 +1,14 @@
-// A kvct K cache in a real model (docs/formats.md, "kvct"): its plans come from a K
-// statistics file, which this test writes itself for the model's shape (each pair's energy
-// falling across the head, so the plans give pairs different bits). Checked:
+// A kvct K cache in a real model (docs/formats.md, "kvct"): its plans come from the model's
+// own K statistics (`kvcomp calibrate`, given on the command line) and from a copy of them
+// with every other pair's energy tripled (other plans, other bits); the refusals use files
+// this test writes itself. Checked:
 //  - without statistics, and with a V of a kvct type, no ubatch is taken (llama_decode fails
 //    with the reason) and nothing crashes; a missing, damaged, other-model or NaN-holding
 //    statistics file is refused with the reason, and the context stays usable after loading
 //    a good one;
 //  - batched = sequential: one ubatch, ubatches of 32 (the same prompt kernel: logits within
-//    2e-3; with the buffer, mean KL to f16 within 2x the batched one's) and token by token
-//    (the decode kernel: mean KL to f16 within 2x the batched one's);
+//    2e-3) and token by token (the decode kernel: mean KL to f16 within 2x the batched
+//    one's); with the buffer, every split at most half the plain cache's KL;
 //  - state save -> load -> continue is bit-exact; a state saved under other plans is re-coded
 //    with the context's (KL to f16 within twice both caches' own), one coded on the other side
 //    of RoPE and a truncated one are refused and the context stays usable;
@@ -18,6 +19,13 @@
 //  - a copied sequence continues like its source, a sequence in a split cache decodes as it
 //    does alone (isolation);
 //  - the same with the residual buffer (window 32, 4 sinks) in front of the kvct cache.
+//
+// The KL bounds are judged on plans fitted to the model. Plans fitted to made-up statistics
+// left the cache's KL to f16 at 0.3-0.7 a token, where any change of the kernels' rounding (an
+// ISA's lane-sum order, an FMA) moved the means past 2x; with the model's own it is about
+// 2e-2 (1e-3 with the buffer), and such changes do not move its first three digits.
+//
+// Usage: test-kvc-plans MODEL.gguf KSTATS.gguf
 
 #include "kvc-test-util.h"
 #include "kvc-llama-util.h"
@@ -33,11 +41,13 @@ using namespace kvc_test;
 
 namespace {
 
-// A statistics file for the model's layers; `scale` multiplies every energy and `decay` sets
-// how fast it falls across the head (another file, other plans and bits; NaN: statistics of
-// rows that held a NaN), `n_head_kv_extra` makes it one of another shape.
-bool write_stats(const llama_model * model, const std::string & path, float scale, int n_head_kv_extra = 0, bool pre_rope = true,
-                 float decay = 6.0f) {
+// the model's statistics (the command line's)
+const char * stats_a = nullptr;
+
+// A made-up statistics file for the model's layers, each pair's energy falling across the
+// head: `scale` multiplies every energy (NaN: statistics of rows that held a NaN),
+// `n_head_kv_extra` makes it one of another shape, !pre_rope one of version 1.
+bool write_stats(const llama_model * model, const std::string & path, float scale, int n_head_kv_extra = 0, bool pre_rope = true) {
     const int n_layer = llama_model_n_layer(model);
     const int n_kv    = llama_model_n_head_kv(model) + n_head_kv_extra;
     const int d       = llama_model_n_embd(model) / llama_model_n_head(model);
@@ -59,7 +69,7 @@ bool write_stats(const llama_model * model, const std::string & path, float scal
         for (int h = 0; h < n_kv; ++h) {
             for (int p = 0; p < d / 2; ++p) {
                 float * s = x + ((size_t) h * (d / 2) + p) * LLAMA_KVCOMP_KSTATS_PER_PAIR;
-                const float e = scale * (4.0f * std::exp(-decay * (float) p / (float) (d / 2)) + 0.1f);
+                const float e = scale * (4.0f * std::exp(-6.0f * (float) p / (float) (d / 2)) + 0.1f);
                 const float row[LLAMA_KVCOMP_KSTATS_PER_PAIR] = { 0.0f, 0.0f, e, 0.0f, e, 1.0f, 0.0f, 1.0f };
                 memcpy(s, row, sizeof(row));
             }
@@ -68,6 +78,35 @@ bool write_stats(const llama_model * model, const std::string & path, float scal
     }
     const bool ok = gguf_write_to_file(g, path.c_str(), false);
     gguf_free(g);
+    ggml_free(ctx);
+    return ok;
+}
+
+// The statistics of src with every odd pair's energy (its centred second moments) times
+// `factor`, in dst: plans that give those pairs more bits than src's do
+bool write_stats_scaled(const char * src, const std::string & dst, float factor) {
+    ggml_context * ctx = nullptr;
+    gguf_context * in = gguf_init_from_file(src, { false, &ctx });
+    if (!in) {
+        return false;
+    }
+    gguf_context * out = gguf_init_empty();
+    gguf_set_kv(out, in);
+    for (int64_t i = 0; i < gguf_get_n_tensors(in); ++i) {
+        ggml_tensor * t = ggml_get_tensor(ctx, gguf_get_tensor_name(in, i));
+        if (t->type == GGML_TYPE_F32 && t->ne[0] == LLAMA_KVCOMP_KSTATS_PER_PAIR) {
+            float * x = (float *) t->data;
+            for (int64_t r = 0; r < ggml_nrows(t); ++r) {
+                for (int j = 2; j < 5 && r % 2 == 1; ++j) {
+                    x[r * LLAMA_KVCOMP_KSTATS_PER_PAIR + j] *= factor;
+                }
+            }
+        }
+        gguf_add_tensor(out, t);
+    }
+    const bool ok = gguf_write_to_file(out, dst.c_str(), false);
+    gguf_free(out);
+    gguf_free(in);
     ggml_free(ctx);
     return ok;
 }
@@ -118,9 +157,9 @@ void test_refusals(report & rep, llama_model * model, const std::vector<llama_to
         rep.check(write_stats(model, "nan.gguf", NAN) && llama_kvcomp_set_k_stats(c.ctx, "nan.gguf") == -1 &&
                   contains(llama_kvcomp_last_error(), "non-finite"),
                   "statistics holding NaN are refused (%s)", llama_kvcomp_last_error());
-        rep.check(llama_kvcomp_set_k_stats(c.ctx, "stats-a.gguf") == 0 && !decode(c.ctx, toks, 0, 8, 8).empty(),
+        rep.check(llama_kvcomp_set_k_stats(c.ctx, stats_a) == 0 && !decode(c.ctx, toks, 0, 8, 8).empty(),
                   "after the refusals, good statistics load and the context decodes");
-        rep.check(llama_kvcomp_set_k_stats(c.ctx, "stats-a.gguf") == -2, "statistics cannot change under cached rows");
+        rep.check(llama_kvcomp_set_k_stats(c.ctx, stats_a) == -2, "statistics cannot change under cached rows");
         rep.check(llama_memory_can_shift(llama_get_memory(c.ctx)), "a kvct cache coded before RoPE can shift");
     }
     {
@@ -136,14 +175,17 @@ void test_refusals(report & rep, llama_model * model, const std::vector<llama_to
     }
     {
         ctx_ptr c{ make_ctx(model, GGML_TYPE_KVC4) };
-        rep.check(llama_kvcomp_set_k_stats(c.ctx, "stats-a.gguf") == 0 && !decode(c.ctx, toks, 0, 8, 8).empty(),
+        rep.check(llama_kvcomp_set_k_stats(c.ctx, stats_a) == 0 && !decode(c.ctx, toks, 0, 8, 8).empty(),
                   "a kvc4 cache ignores K statistics");
     }
 }
 
-void test_cache(report & rep, llama_model * model, const std::vector<llama_token> & toks, const llama_kvcomp_params * kp,
-                const char * name) {
-    const int n_prompt = 96, n_rows = 16;
+// The checks of one cache; without the buffer (kp null), returns its mean KL to f16 over the
+// prompt's last rows in one ubatch, which the buffered cache's splits are judged against.
+double test_cache(report & rep, llama_model * model, const std::vector<llama_token> & toks, const llama_kvcomp_params * kp,
+                  const char * name, double kl_plain = 0.0) {
+    // the last n_rows tokens of the prompt and the n_cont after a state's 64 are scored
+    const int n_prompt = 96, n_rows = 32, n_cont = 32;
     const size_t n_vocab = (size_t) llama_vocab_n_tokens(llama_model_get_vocab(model));
     std::vector<float> f16;
     {
@@ -152,15 +194,15 @@ void test_cache(report & rep, llama_model * model, const std::vector<llama_token
     }
     std::vector<float> whole, by32, by1;
     {
-        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        ctx_ptr c{ make_kvct(model, stats_a, 1, true, kp) };
         whole = decode(c.ctx, toks, 0, n_prompt, n_prompt, 0, n_rows);
     }
     {
-        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        ctx_ptr c{ make_kvct(model, stats_a, 1, true, kp) };
         by32 = decode(c.ctx, toks, 0, n_prompt, 32, 0, n_rows);
     }
     {
-        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        ctx_ptr c{ make_kvct(model, stats_a, 1, true, kp) };
         by1 = decode(c.ctx, toks, 0, n_prompt, 1, 0, n_rows);
     }
     const double kl_whole = kl_mean_rows(f16, whole, n_vocab);
@@ -169,53 +211,60 @@ void test_cache(report & rep, llama_model * model, const std::vector<llama_token
     if (!kp) {
         rep.check(!whole.empty() && rel_diff(by32, whole) <= 2e-3, "%s ubatch 32 vs one ubatch: max rel logit diff %.2e <= 2e-3",
                   name, rel_diff(by32, whole));
+        // The decode kernel rounds unlike the prompt kernel, and a last-bit difference flips
+        // codes of later rows: a fresh draw of quantization noise, held to twice the batched
+        // run's KL (1.2x measured; a RoPE one position off in the decode kernel gave 37x).
+        rep.check(kl_by1 <= 2.0 * kl_whole + 1e-4, "%s token by token vs one ubatch: mean KL to f16 %.2e <= 2 x %.2e + 1e-4",
+                  name, kl_by1, kl_whole);
     } else {
-        // the buffer's exact rows come from the ubatch or from slots written by an earlier one,
-        // which round the same keys differently: a fresh draw of quantization noise, judged as
-        // test-kvc-llama judges the buffer's splits
-        rep.check(kl_by32 <= 2.0 * kl_whole + 1e-4, "%s ubatch 32 vs one ubatch: mean KL to f16 %.2e <= 2 x %.2e + 1e-4",
-                  name, kl_by32, kl_whole);
+        // The buffer's exact rows come from the ubatch or from slots an earlier one wrote, which
+        // round the same keys differently: a fresh draw of quantization noise, so every split
+        // is judged as test-kvc-llama judges the buffer's, against the plain cache: with 32 of
+        // the 96 keys exact it must at least halve the plain cache's KL (it is 0.07-0.14x).
+        for (const auto & [split, kl] : { std::pair<const char *, double>{ "one ubatch", kl_whole }, { "ubatches of 32", kl_by32 },
+                                          { "token by token", kl_by1 } }) {
+            rep.check(!whole.empty() && kl <= 0.5 * kl_plain, "%s %s: mean KL to f16 %.2e <= 0.5 x the plain cache's %.2e", name,
+                      split, kl, kl_plain);
+        }
     }
-    rep.check(kl_by1 <= 2.0 * kl_whole + 1e-4, "%s token by token vs one ubatch: mean KL to f16 %.2e <= 2 x %.2e + 1e-4",
-              name, kl_by1, kl_whole);
 
     // state save -> load -> continue
     std::vector<uint8_t> state;
     std::vector<float> cont_a, cont_b;
     {
-        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        ctx_ptr c{ make_kvct(model, stats_a, 1, true, kp) };
         decode(c.ctx, toks, 0, 64, 64);
         state.resize(llama_state_get_size(c.ctx));
         state.resize(llama_state_get_data(c.ctx, state.data(), state.size()));
-        cont_a = decode(c.ctx, toks, 64, 72, 1);
+        cont_a = decode(c.ctx, toks, 64, 64 + n_cont, 1, 0, n_cont);
     }
     {
-        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        ctx_ptr c{ make_kvct(model, stats_a, 1, true, kp) };
         const size_t read = llama_state_set_data(c.ctx, state.data(), state.size());
-        cont_b = decode(c.ctx, toks, 64, 72, 1);
+        cont_b = decode(c.ctx, toks, 64, 64 + n_cont, 1, 0, n_cont);
         rep.check(read == state.size() && !cont_a.empty() && cont_a == cont_b, "%s state save -> load -> continue is bit-exact", name);
     }
     // Under other plans the state's rows are decoded with the plans it carries and coded with
     // the context's: a second quantization of the same keys, so the continuation is judged
     // against f16 beside the two caches' own errors (their sum, doubled, for the noise of
-    // 8 tokens), not bit for bit.
+    // n_cont tokens), not bit for bit.
     {
         std::vector<float> f16_cont, direct_b, recoded;
         {
             ctx_ptr c{ make_ctx(model, GGML_TYPE_F16) };
             decode(c.ctx, toks, 0, 64, 64);
-            f16_cont = decode(c.ctx, toks, 64, 72, 1);
+            f16_cont = decode(c.ctx, toks, 64, 64 + n_cont, 1, 0, n_cont);
         }
         {
             ctx_ptr c{ make_kvct(model, "stats-b.gguf", 1, true, kp) };
             decode(c.ctx, toks, 0, 64, 64);
-            direct_b = decode(c.ctx, toks, 64, 72, 1);
+            direct_b = decode(c.ctx, toks, 64, 64 + n_cont, 1, 0, n_cont);
         }
         size_t read = 0;
         {
             ctx_ptr c{ make_kvct(model, "stats-b.gguf", 1, true, kp) };
             read    = llama_state_set_data(c.ctx, state.data(), state.size());
-            recoded = decode(c.ctx, toks, 64, 72, 1);
+            recoded = decode(c.ctx, toks, 64, 64 + n_cont, 1, 0, n_cont);
         }
         const double kl_a = kl_mean_rows(f16_cont, cont_a, n_vocab), kl_b = kl_mean_rows(f16_cont, direct_b, n_vocab);
         const double kl_re = kl_mean_rows(f16_cont, recoded, n_vocab);
@@ -235,7 +284,7 @@ void test_cache(report & rep, llama_model * model, const std::vector<llama_token
                   "stays usable (%s)", name, llama_kvcomp_last_error());
     }
     {
-        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 1, true, kp) };
+        ctx_ptr c{ make_kvct(model, stats_a, 1, true, kp) };
         const size_t read = llama_state_set_data(c.ctx, state.data(), state.size() / 2);
         const auto after = decode(c.ctx, toks, 0, 8, 8);
         rep.check(read == 0 && !after.empty(), "%s truncated state is refused and the context stays usable", name);
@@ -244,13 +293,12 @@ void test_cache(report & rep, llama_model * model, const std::vector<llama_token
     // Context shift as llama-server does it (sinks kept, 32 positions dropped, the rest moved
     // back), then 8 more tokens one by one: against an f16 cache put through the same, the mean
     // KL is the kvct cache's own (the token-by-token run's), since rows coded before RoPE only
-    // change position. Both are means over several tokens: one token's KL on these synthetic
-    // statistics moves by 10x with any change of the kernels' rounding.
+    // change position. Both are means over several tokens, since one token's KL is noisy.
     {
         const int n_after = 8;
         std::vector<float> shifted[2];
         for (int i = 0; i < 2; ++i) {
-            ctx_ptr c{ i == 0 ? make_ctx(model, GGML_TYPE_F16) : make_kvct(model, "stats-a.gguf", 1, true, kp) };
+            ctx_ptr c{ i == 0 ? make_ctx(model, GGML_TYPE_F16) : make_kvct(model, stats_a, 1, true, kp) };
             decode(c.ctx, toks, 0, n_prompt, n_prompt);
             llama_memory_t mem = llama_get_memory(c.ctx);
             llama_memory_seq_rm(mem, 0, 4, 36);
@@ -275,7 +323,7 @@ void test_cache(report & rep, llama_model * model, const std::vector<llama_token
 
     // seq_cp, and isolation in a split cache
     {
-        ctx_ptr c{ make_kvct(model, "stats-a.gguf", 2, true, kp) };
+        ctx_ptr c{ make_kvct(model, stats_a, 2, true, kp) };
         decode(c.ctx, toks, 0, 64, 64, 0);
         llama_memory_seq_cp(llama_get_memory(c.ctx), 0, 1, -1, -1);
         const auto l1 = decode(c.ctx, toks, 64, 65, 1, 1);
@@ -285,22 +333,28 @@ void test_cache(report & rep, llama_model * model, const std::vector<llama_token
     {
         std::vector<float> alone, beside;
         {
-            ctx_ptr c{ make_kvct(model, "stats-a.gguf", 2, false, kp) };
+            ctx_ptr c{ make_kvct(model, stats_a, 2, false, kp) };
             alone = decode(c.ctx, toks, 100, 164, 64, 1);
         }
         {
-            ctx_ptr c{ make_kvct(model, "stats-a.gguf", 2, false, kp) };
+            ctx_ptr c{ make_kvct(model, stats_a, 2, false, kp) };
             decode(c.ctx, toks, 0, 64, 64, 0);
             beside = decode(c.ctx, toks, 100, 164, 64, 1);
         }
         rep.check(!alone.empty() && alone == beside, "%s a sequence decodes beside another as it does alone", name);
     }
+    return kl_whole;
 }
 
 } // namespace
 
 int main(int argc, char ** argv) {
-    llama_model * model = load_test_model(argc, argv);
+    if (argc != 3) {
+        fprintf(stderr, "usage: %s MODEL.gguf KSTATS.gguf\n", argv[0]);
+        return 2;
+    }
+    stats_a = argv[2];
+    llama_model * model = load_test_model(2, argv);
     if (!model) {
         return 2;
     }
@@ -315,16 +369,16 @@ int main(int argc, char ** argv) {
     toks.resize(std::max(n, 0));
 
     report rep;
-    rep.check(n >= 170 && write_stats(model, "stats-a.gguf", 1.0f) && write_stats(model, "stats-b.gguf", 2.0f, 0, true, 3.0f) &&
+    rep.check(n >= 170 && write_stats_scaled(stats_a, "stats-b.gguf", 3.0f) &&
               write_stats(model, "stats-post.gguf", 1.0f, 0, false),
-              "prompt of %d tokens and three statistics files", n);
+              "prompt of %d tokens, the model's statistics and two more files", n);
     if (n >= 170) {
         test_refusals(rep, model, toks);
-        test_cache(rep, model, toks, nullptr, "kvct4/kvc4");
+        const double kl_plain = test_cache(rep, model, toks, nullptr, "kvct4/kvc4");
         llama_kvcomp_params kp = llama_kvcomp_default_params();
         kp.window = 32;
         kp.sinks  = 4;
-        test_cache(rep, model, toks, &kp, "kvct4/kvc4 + buffer (window 32, 4 sinks)");
+        test_cache(rep, model, toks, &kp, "kvct4/kvc4 + buffer (window 32, 4 sinks)", kl_plain);
     }
     llama_model_free(model);
     llama_backend_free();
