@@ -2,8 +2,8 @@
 
 // Reading kvct rows on the CPU (the attention kernels of kvc-fattn.cpp): a plan's decoder,
 // set up once per node and KV head, that finds each coded coefficient's bits with one load
-// instead of walking the row bit by bit as the reference does, or, with AVX-512 VBMI, decodes
-// 64 coefficients at a time (docs/formats.md, "kvct"). Internal to the CPU backend.
+// instead of walking the row bit by bit as the reference does, or decodes 64 coefficients at a
+// time with AVX-512 VBMI, 8 with AVX2 (docs/formats.md, "kvct"). Internal to the CPU backend.
 
 #include "kvc-transform.h"
 
@@ -43,6 +43,17 @@ typedef struct {
     bool    vb_has8[KVC_T_MAX_D / 64];
     uint8_t vb_perm_a[KVC_T_MAX_D], vb_perm_b[KVC_T_MAX_D], vb_ctrl[KVC_T_MAX_D], vb_mask[KVC_T_MAX_D];
     uint8_t vb_top[KVC_T_MAX_D], vb_low[KVC_T_MAX_D], vb_moff[KVC_T_MAX_D];
+    // The AVX2 decoder (filled where it is built): 8 coefficients at a time, each one's 4 bytes
+    // picked by a byte shuffle (av_ctrl) from a 16-byte window of the row at av_win (one for
+    // coefficients 8 g .. 8 g + 3, one for the next 4), then shifted and masked as above. In a
+    // group whose coefficients have at most 4 bits (av_small) the sign is the code's top bit
+    // (av_top) and the magnitude comes from the 15 of 1-4 bits (av_mag, b's from av_moff) in
+    // registers; other groups read their levels one at a time.
+    int32_t av_win[KVC_T_MAX_D / 4];
+    uint8_t av_ctrl[4 * KVC_T_MAX_D];
+    int32_t av_top[KVC_T_MAX_D], av_moff[KVC_T_MAX_D];
+    bool    av_small[KVC_T_MAX_D / 8];
+    float   av_mag[16];
 } kvc_t_decoder;
 
 void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan);
