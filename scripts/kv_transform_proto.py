@@ -15,6 +15,9 @@ E[(q.e)^2] over the same later rows; the table gives kvc4's over the coder's (ge
 / min / max over KV heads) and plain K error ratios.
 
     python3 scripts/kv_transform_proto.py /tmp/rows/smollm2 --bpe 4.5 3.5 --calib 512
+
+With `--kstats FILE --reference --space pre-pairs` the plans are the shipped ones: fitted by
+the C reference to a `kvcomp calibrate` file instead of the first rows.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ import math
 from functools import cache
 from pathlib import Path
 from statistics import NormalDist
+from typing import NamedTuple
 
 import numpy as np
 from kv_rows_gain import load, pre_rope_weight, rope_cos_sin, rope_pairs, summary
 
 from ggml_kvcomp.paths import bin_dir
+from ggml_kvcomp.synth import gguf_module
 
 SCALE_BITS = 8
 MAX_BITS = 8
@@ -132,18 +137,49 @@ class KvcTStats(ctypes.Structure):
                 ("k2", ctypes.c_void_p), ("w", ctypes.c_void_p)]
 
 
-def kvct_round_trip(rows: np.ndarray, calib: np.ndarray, weight_m: np.ndarray, pairs: np.ndarray, space: str,
-                    row_bits: int) -> np.ndarray:
-    """The C reference of the transform-coded row (libggml-base's kvc_t_*): a plan fitted to
-    the calibration rows' mean and centred pair moments under the pairs' query weights, then
-    every row coded and decoded."""
-    lib = ggml_base()
-    d = rows.shape[1]
-    mean = np.ascontiguousarray(calib.mean(0), dtype=np.float32)
+class PairStats(NamedTuple):
+    """What a kvct plan is fitted from (kvc_t_stats): each channel's mean, and per RoPE pair
+    K's centred second moments and the queries' weights (aa, ab, bb)."""
+
+    mean: np.ndarray
+    k2: np.ndarray
+    w: np.ndarray
+
+
+def pair_stats(calib: np.ndarray, weight_m: np.ndarray, pairs: np.ndarray) -> PairStats:
+    """The statistics of the calibration rows under the pairs' query weights."""
+    mean = calib.mean(0)
     cov = np.cov((calib - mean).T, bias=True)
     a, b = pairs[:, 0], pairs[:, 1]
-    k2 = np.ascontiguousarray(np.stack([cov[a, a], cov[a, b], cov[b, b]], 1), dtype=np.float32)
-    w = np.ascontiguousarray(np.stack([weight_m[a, a], weight_m[a, b], weight_m[b, b]], 1), dtype=np.float32)
+    return PairStats(mean, np.stack([cov[a, a], cov[a, b], cov[b, b]], 1),
+                     np.stack([weight_m[a, a], weight_m[a, b], weight_m[b, b]], 1))
+
+
+def file_stats(path: Path, pairs: np.ndarray) -> dict[tuple[int, int], PairStats]:
+    """The statistics of a `kvcomp calibrate` file (K before RoPE), by (layer, KV head): what
+    the shipped plans are fitted from."""
+    reader = gguf_module().GGUFReader(path)
+    out = {}
+    for t in reader.tensors:
+        il = int(t.name.rsplit(".", 1)[1])
+        # [n_kv, d/2, 8]; gguf-py gives a single KV head's tensor without its outer axis
+        x = np.asarray(t.data, dtype=np.float64).reshape(-1, *t.data.shape[-2:])
+        for h in range(x.shape[0]):
+            mean = np.zeros(2 * x.shape[1])
+            mean[pairs[:, 0]] = x[h, :, 0]
+            mean[pairs[:, 1]] = x[h, :, 1]
+            out[(il, h)] = PairStats(mean, x[h, :, 2:5], x[h, :, 5:8])
+    return out
+
+
+def kvct_round_trip(rows: np.ndarray, st: PairStats, pairs: np.ndarray, space: str, row_bits: int) -> np.ndarray:
+    """The C reference of the transform-coded row (libggml-base's kvc_t_*): a plan fitted to
+    the statistics, then every row coded and decoded."""
+    lib = ggml_base()
+    d = rows.shape[1]
+    mean = np.ascontiguousarray(st.mean, dtype=np.float32)
+    k2 = np.ascontiguousarray(st.k2, dtype=np.float32)
+    w = np.ascontiguousarray(st.w, dtype=np.float32)
     pr = np.ascontiguousarray(pairs, dtype=np.int16)
     stats = KvcTStats(d, pr.ctypes.data, mean.ctypes.data, k2.ctypes.data, w.ctypes.data)
     plan = KvcTPlan()
@@ -213,7 +249,7 @@ def numpy_round_trip(ke: np.ndarray, c: np.ndarray, cov: np.ndarray, weight_m: n
 
 
 def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.ndarray, qe: np.ndarray, calib: int,
-              bpe: float, space: str, reference: bool = False) -> tuple[float, float]:
+              bpe: float, space: str, reference: bool = False, shipped: PairStats | None = None) -> tuple[float, float]:
     """(kvc4's query-weighted error over the coder's, and the same for K's plain error) on
     the K rows after `calib`; qc: the queries of the calibration rows, qe: later queries.
     space: "post" codes K after RoPE with its eigenbasis; "post-pairs" after RoPE in its own
@@ -221,7 +257,8 @@ def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.nda
     keeps a pair's energy, so they do not depend on the position); "pre" codes K before RoPE
     with its eigenbasis, "pre-pairs" with a 2x2 basis per RoPE pair (errors are turned by each
     key's RoPE before the queries meet them). reference: the pair spaces are coded by the C
-    reference (kvct_round_trip) instead of the numpy coder."""
+    reference (kvct_round_trip) instead of the numpy coder; shipped: with it, the plan is
+    fitted to these statistics (a calibration file's) instead of the first `calib` rows."""
     d = kpost.shape[1]
     k = kpre if space.startswith("pre") else kpost
     kc = k[:calib]
@@ -234,7 +271,8 @@ def code_head(kpost: np.ndarray, kpre: np.ndarray, pairs: np.ndarray, qc: np.nda
         weight_m = pre_rope_weight(kpre[:calib], kpost[:calib], cq, pairs)
     ke = k[calib:]
     if reference:
-        rec = kvct_round_trip(ke, kc, weight_m, pairs, space, round(bpe * d))
+        st = shipped if shipped is not None else pair_stats(kc, weight_m, pairs)
+        rec = kvct_round_trip(ke, st, pairs, space, round(bpe * d))
     else:
         rec = numpy_round_trip(ke, c, cov, weight_m, pairs, space, bpe)
     err = ke - rec
@@ -260,9 +298,14 @@ def main() -> None:
                    choices=["post", "post-pairs", "pre", "pre-pairs"])
     p.add_argument("--reference", action="store_true",
                    help="code the pair spaces with the C reference (libggml-base's kvc_t_*) instead of numpy")
+    p.add_argument("--kstats", type=Path,
+                   help="fit the plans to this `kvcomp calibrate` file (the shipped plans) instead of the first "
+                        "--calib rows, which then only set where the scored rows start (needs --reference, pre-pairs)")
     args = p.parse_args()
     if args.reference and not set(args.space) <= set(KVC_T_BASIS):
         p.error("--reference codes the pair spaces only (pre-pairs, post-pairs)")
+    if args.kstats and not (args.reference and args.space == ["pre-pairs"]):
+        p.error("--kstats holds K before RoPE: use it with --reference --space pre-pairs")
     meta = json.loads(Path(f"{args.prefix}.json").read_text())
     n_kv, n_q, hd = meta["n_head_kv"], meta["n_head"], meta["head_dim"]
     group = n_q // n_kv
@@ -270,6 +313,7 @@ def main() -> None:
     kpre = load(args.prefix, "kpre", n_kv, meta)
     q = load(args.prefix, "qpost", n_q, meta)
     pairs = rope_pairs(kpre, kpost)
+    shipped = file_stats(args.kstats, pairs) if args.kstats else {}
     print("| K coded | bpe (scale included) | calibration rows | query-weighted gain over kvc4 "
           "| K error gain over kvc4 |")
     print("|---|---:|---:|---|---|")
@@ -282,11 +326,13 @@ def main() -> None:
                 qcal = qh[:, :calib].reshape(-1, hd)
                 later = qh[:, calib:].reshape(-1, hd)
                 qlater = later[rng.choice(len(later), min(args.queries, len(later)), replace=False)]
-                w, e = code_head(kpost[il, h], kpre[il, h], pairs, qcal, qlater, calib, bpe, space, args.reference)
+                w, e = code_head(kpost[il, h], kpre[il, h], pairs, qcal, qlater, calib, bpe, space, args.reference,
+                                 shipped.get((il, h)) if args.kstats else None)
                 gw.append(w)
                 gk.append(e)
         coder = "C reference" if args.reference else "numpy"
-        print(f"| {space} ({coder}) | {bpe:g} | {calib} | {summary(np.array(gw))} | {summary(np.array(gk))} |")
+        plans = f"{args.kstats.name} (rows from {calib})" if args.kstats else str(calib)
+        print(f"| {space} ({coder}) | {bpe:g} | {plans} | {summary(np.array(gw))} | {summary(np.array(gk))} |")
 
 
 if __name__ == "__main__":

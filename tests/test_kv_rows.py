@@ -153,12 +153,48 @@ def test_c_reference_codes_as_the_prototype(bins: Path, space: str) -> None:
     scale = np.repeat(2.0 ** (-np.arange(d // 2) / 6.0), 2) * np.tile([1.0, 0.3], d // 2)
     x = rng.standard_normal((n, d)) * scale
     calib, later = x[:300], x[300:]
-    y = proto.kvct_round_trip(later, calib, np.eye(d), pairs, space, round(4.5 * d))
+    y = proto.kvct_round_trip(later, proto.pair_stats(calib, np.eye(d), pairs), pairs, space, round(4.5 * d))
     err_c = float(((later - y) ** 2).sum())
     # the numpy coder, through code_head's K error gain over kvc4 on the same rows
     _, gain_np = proto.code_head(x, x, pairs, x[:300], x[300:], 300, 4.5, space)
     _, gain_c = proto.code_head(x, x, pairs, x[:300], x[300:], 300, 4.5, space, reference=True)
     assert err_c > 0 and gain_c >= 0.95 * gain_np and gain_c <= 2.0 * gain_np
+
+
+@pytest.mark.parametrize(("neox", "n_kv"), [(False, 2), (True, 2), (True, 1)])
+def test_shipped_plans_are_read_from_the_statistics_file(bins: Path, tmp_path: Path, neox: bool, n_kv: int) -> None:
+    # --kstats: a calibration file's per-pair values land on the channels of each pair, and
+    # rows coded under them are those coded under the same statistics given directly
+    from ggml_kvcomp.synth import gguf_module
+
+    proto = _script("kv_transform_proto")
+    rng = np.random.default_rng(7)
+    d = 64
+    pairs = np.stack([np.arange(d // 2), np.arange(d // 2) + d // 2], 1) if neox else np.arange(d).reshape(-1, 2)
+    x = np.zeros((n_kv, d // 2, 8), dtype=np.float32)
+    x[..., 0:2] = rng.standard_normal((n_kv, d // 2, 2))
+    e = 2.0 ** (-np.arange(d // 2) / 5.0)
+    x[..., 2], x[..., 3], x[..., 4] = e, 0.2 * e, 0.6 * e
+    x[..., 5], x[..., 7] = 1.0, 1.0
+    w = gguf_module().GGUFWriter(str(tmp_path / "k.gguf"), "test")
+    w.add_tensor("kvcomp.kstats.3", x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    st = proto.file_stats(tmp_path / "k.gguf", pairs)
+    assert sorted(st) == [(3, h) for h in range(n_kv)]
+    h = n_kv - 1
+    s = st[(3, h)]
+    np.testing.assert_array_equal(s.mean[pairs[:, 0]], x[h, :, 0])
+    np.testing.assert_array_equal(s.mean[pairs[:, 1]], x[h, :, 1])
+    np.testing.assert_array_equal(s.k2, x[h, :, 2:5])
+    np.testing.assert_array_equal(s.w, x[h, :, 5:8])
+    rows = s.mean + rng.standard_normal((50, d)) * np.sqrt(np.repeat(e, 2))[np.argsort(pairs.reshape(-1))]
+    direct = proto.PairStats(s.mean.copy(), x[h, :, 2:5].astype(np.float64), x[h, :, 5:8].astype(np.float64))
+    y = proto.kvct_round_trip(rows, s, pairs, "pre-pairs", round(4.5 * d))
+    np.testing.assert_array_equal(y, proto.kvct_round_trip(rows, direct, pairs, "pre-pairs", round(4.5 * d)))
+    assert ((rows - y) ** 2).sum() < 0.05 * ((rows - s.mean) ** 2).sum()
 
 
 def test_ksim_measures_k_and_v_coding(bins: Path, text: Path) -> None:
