@@ -8,8 +8,8 @@ import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class BenchResult:
     compute_mib: float
     peak_rss_mib: float
     n_prompt: int = 0  # a prefill row (pp) when > 0, else a decode row (tg, n_gen tokens)
+    round: int = 0  # which of `kvcomp bench --rounds`' rounds measured it
 
 
 def _sum(pattern: str, text: str) -> float:
@@ -240,4 +241,62 @@ def bench_table(results: Sequence[BenchResult]) -> str:
         cells += [f"{m.bpe:.2f}", f"{m.weights_mib:.1f}", f"{m.kv_main_mib:.2f}", f"{m.kv_buffer_mib:.2f}",
                   f"{m.compute_mib:.1f}", f"{m.peak_rss_mib:.0f}"]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def run_rounds(configs: Sequence[KvConfig], rounds: int,
+               run: Callable[[KvConfig], list[BenchResult]]) -> list[BenchResult]:
+    """Every configuration once a round, in the same order each round: on a machine whose speed
+    drifts by more than the configurations differ, configurations compared within a round see
+    the same machine."""
+    out: list[BenchResult] = []
+    for i in range(rounds):
+        for cfg in configs:
+            out.extend(replace(r, round=i) for r in run(cfg))
+    return out
+
+
+# a row's place in the table: configuration, depth, prefill (pp) rather than decode (tg)
+RowKey = tuple[str, int, bool]
+
+
+def round_ratios(results: Sequence[BenchResult]) -> dict[RowKey, tuple[float, float]]:
+    """Per configuration, depth and kind: the lowest and highest of its per-round speed over the
+    first configuration's in the same round (rounds of `run_rounds`)."""
+    base = results[0].label if results else ""
+    speed = {(r.label, r.depth, r.n_prompt > 0, r.round): r.tokens_per_s for r in results}
+    ratios: dict[RowKey, list[float]] = {}
+    for (label, depth, pp, rnd), ts in speed.items():
+        ref = speed.get((base, depth, pp, rnd), 0.0)
+        if ref > 0.0:
+            ratios.setdefault((label, depth, pp), []).append(ts / ref)
+    return {k: (min(v), max(v)) for k, v in ratios.items()}
+
+
+def rounds_table(results: Sequence[BenchResult]) -> str:
+    """The bench table of several rounds: each cell the range of t/s over the rounds and, but
+    for the first configuration, the range of its per-round ratio to that one."""
+    depths = sorted({r.depth for r in results})
+    labels = list(dict.fromkeys(r.label for r in results))
+    kinds = [(False, "tg")] + ([(True, "pp")] if any(r.n_prompt > 0 for r in results) else [])
+    cols = [(pp, name, d) for pp, name in kinds for d in depths]
+    ratios = round_ratios(results)
+    n_rounds = len({r.round for r in results})
+    rows = [
+        "| K/V | " + " | ".join(f"{name} t/s @ d={d}" for _, name, d in cols) + " | bpe |",
+        "|---|" + "---:|" * (len(cols) + 1),
+    ]
+    for label in labels:
+        cells = []
+        for pp, _, d in cols:
+            ts = [r.tokens_per_s for r in results if (r.label, r.depth, r.n_prompt > 0) == (label, d, pp)]
+            cell = f"{min(ts):.1f}-{max(ts):.1f}"
+            if label != labels[0] and (label, d, pp) in ratios:
+                lo, hi = ratios[(label, d, pp)]
+                cell += f" ({lo:.2f}-{hi:.2f}x)"
+            cells.append(cell)
+        bpe = next(r.bpe for r in results if r.label == label)
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {bpe:.2f} |")
+    rows.append(f"\n{n_rounds} rounds, every configuration once a round; in parentheses the range of the "
+                f"per-round ratio to {labels[0]}." if labels else "")
     return "\n".join(rows)

@@ -140,22 +140,26 @@ def cmd_ppl(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.parallel and args.rounds > 1:
+        raise ValueError("--rounds runs llama-bench; --parallel runs llama-batched-bench once a configuration")
     if args.parallel:
         return _bench_parallel(args, argv)
     model = models.fetch_model(args.model)
-    results = []
     configs = _configs(args.configs)
     depths = args.depths or [0, 4096]
-    for cfg in configs:
+
+    def run(cfg: KvConfig) -> list[bench.BenchResult]:
         print(f"kvcomp bench: {cfg.label} ...", file=sys.stderr, flush=True)
-        results.extend(bench.run_bench(cfg, model, depths, args.n_gen, args.threads, args.reps,
-                                       args.n_prompt, args.ngl))
+        return bench.run_bench(cfg, model, depths, args.n_gen, args.threads, args.reps, args.n_prompt, args.ngl)
+
+    results = bench.run_rounds(configs, args.rounds, run)
     prefill = f" -p {args.n_prompt}" if args.n_prompt else ""
     offload = f", -ngl {args.ngl}" if args.ngl else ""
     heading = (f"Decode speed, {args.model}, llama-bench -fa 1 -n {args.n_gen}{prefill}, {args.threads} threads"
                f"{offload}")
     section = f"bench-{args.model}" + _section_suffix(configs)
-    _emit(args, argv, bench.bench_table(results), [asdict(r) for r in results], section, heading, "")
+    table = bench.rounds_table(results) if args.rounds > 1 else bench.bench_table(results)
+    _emit(args, argv, table, [asdict(r) for r in results], section, heading, "")
     return 0
 
 
@@ -331,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--n-gen", type=_positive, default=32, help="tokens generated (per sequence with --parallel)")
     bn.add_argument("--n-prompt", type=int, default=0, help="also measure prefill of this many tokens (pp)")
     bn.add_argument("--reps", type=_positive, default=2, help="llama-bench repetitions (one run with --parallel)")
+    bn.add_argument("--rounds", type=_positive, default=1,
+                    help="run every configuration once a round, this many rounds, and give each one's per-round "
+                         "speed ratio to the first configuration (for machines whose speed drifts)")
     bn.add_argument("--parallel", type=_positive, default=0, metavar="N",
                     help="N sequences decoding together after a prompt of each depth, each in its own stream of "
                          "a split cache, as a server batches its slots (llama-batched-bench -pps -npl N)")
