@@ -44,12 +44,24 @@ def frontier(rows: Sequence[dict[str, Any]], out: Path, what: str = "") -> None:
     plt.close(fig)
 
 
+def decode_speeds(rows: Sequence[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """Per configuration, (depth, decode tokens/s) by depth from `kvcomp bench --json` rows:
+    the mean over its rounds (`--rounds`), prefill rows (`--n-prompt`) left out."""
+    sums: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        if int(r.get("n_prompt", 0)) == 0:
+            sums.setdefault((r["label"], int(r["depth"])), []).append(float(r["tokens_per_s"]))
+    out: dict[str, list[tuple[int, float]]] = {}
+    for (label, depth), ts in sorted(sums.items(), key=lambda kv: kv[0][1]):
+        out.setdefault(label, []).append((depth, sum(ts) / len(ts)))
+    return {label: out[label] for label in dict.fromkeys(r["label"] for r in rows) if label in out}
+
+
 def speed(rows: Sequence[dict[str, Any]], out: Path) -> None:
     """Decode tokens/s against depth, one line per configuration."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label in dict.fromkeys(r["label"] for r in rows):
-        pts = sorted((int(r["depth"]), float(r["tokens_per_s"])) for r in rows if r["label"] == label)
+    for label, pts in decode_speeds(rows).items():
         ax.plot([d for d, _ in pts], [t for _, t in pts], marker="o", label=label)
     ax.set_xlabel("depth (tokens in the cache)")
     ax.set_ylabel("decode tokens/s")
@@ -99,8 +111,8 @@ def write_report(out_dir: Path, kld: Path | None, bench_json: Path | None, snaps
         rows = json.loads(bench_json.read_text())
         speed(rows, out_dir / "decode-speed.png")
         parts += ["## Decode speed vs depth", "", f"From `{bench_json.name}`.", "", "![](decode-speed.png)", "",
-                  "| config | depth | tokens/s |", "|---|---:|---:|"]
-        parts += [f"| {r['label']} | {r['depth']} | {r['tokens_per_s']:.1f} |" for r in rows]
+                  "| config | depth | decode tokens/s |", "|---|---:|---:|"]
+        parts += [f"| {label} | {d} | {t:.1f} |" for label, pts in decode_speeds(rows).items() for d, t in pts]
         parts.append("")
     if snapshot:
         snap = json.loads(snapshot.read_text())

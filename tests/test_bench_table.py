@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 
 from ggml_kvcomp.bench import BenchResult, bench_table, round_ratios, rounds_table, run_rounds
 from ggml_kvcomp.cli import main as kvcomp_main
 from ggml_kvcomp.kvtypes import KvConfig
+from ggml_kvcomp.plots import decode_speeds
 
 
 def _row(label: str, depth: int, ts: float, n_prompt: int = 0) -> BenchResult:
@@ -67,3 +68,13 @@ def test_round_ratios_cancel_the_machine_s_drift(drift: list[float]) -> None:
 def test_rounds_and_parallel_are_refused_together(capsys: pytest.CaptureFixture[str]) -> None:
     assert kvcomp_main(["bench", "--model", "smollm2-135m", "--parallel", "4", "--rounds", "2"]) == 1
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_report_averages_rounds_and_leaves_prefill_out() -> None:
+    # kvcomp report's speed plot and table from a --rounds --n-prompt JSON: one point per
+    # configuration and depth, the mean of its rounds' decode speeds
+    rows = [asdict(replace(_row(lbl, d, ts, pp), round=i))
+            for i, k in enumerate((1.0, 2.0))
+            for lbl, d, ts, pp in (("f16", 0, 100.0 * k, 0), ("f16", 4096, 40.0 * k, 0), ("f16", 0, 900.0, 512),
+                                   ("kvc4", 0, 90.0 * k, 0))]
+    assert decode_speeds(rows) == {"f16": [(0, 150.0), (4096, 60.0)], "kvc4": [(0, 135.0)]}
