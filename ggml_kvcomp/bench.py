@@ -223,12 +223,18 @@ def parallel_table(results: Sequence[ParallelResult]) -> str:
     return "\n".join(rows)
 
 
-def bench_table(results: Sequence[BenchResult]) -> str:
+def _columns(results: Sequence[BenchResult]) -> tuple[list[int], list[str], list[tuple[bool, str, int]]]:
+    """A bench table's depths, configurations in run order, and columns: decode (tg) at every
+    depth, then prefill (pp) where the run measured it."""
     depths = sorted({r.depth for r in results})
     labels = list(dict.fromkeys(r.label for r in results))
-    by_key = {(r.label, r.depth, r.n_prompt > 0): r for r in results}
     kinds = [(False, "tg")] + ([(True, "pp")] if any(r.n_prompt > 0 for r in results) else [])
-    cols = [(pp, name, d) for pp, name in kinds for d in depths]
+    return depths, labels, [(pp, name, d) for pp, name in kinds for d in depths]
+
+
+def bench_table(results: Sequence[BenchResult]) -> str:
+    depths, labels, cols = _columns(results)
+    by_key = {(r.label, r.depth, r.n_prompt > 0): r for r in results}
     rows = [
         "| K/V | " + " | ".join(f"{name} t/s @ d={d}" for _, name, d in cols)
         + f" | bpe | weights MiB | KV main MiB | KV buffer MiB | compute MiB | peak RSS MiB (d={depths[-1]}) |",
@@ -276,10 +282,7 @@ def round_ratios(results: Sequence[BenchResult]) -> dict[RowKey, tuple[float, fl
 def rounds_table(results: Sequence[BenchResult]) -> str:
     """The bench table of several rounds: each cell the range of t/s over the rounds and, but
     for the first configuration, the range of its per-round ratio to that one."""
-    depths = sorted({r.depth for r in results})
-    labels = list(dict.fromkeys(r.label for r in results))
-    kinds = [(False, "tg")] + ([(True, "pp")] if any(r.n_prompt > 0 for r in results) else [])
-    cols = [(pp, name, d) for pp, name in kinds for d in depths]
+    _, labels, cols = _columns(results)
     ratios = round_ratios(results)
     n_rounds = len({r.round for r in results})
     rows = [

@@ -327,7 +327,7 @@ def main() -> None:
                 later = qh[:, calib:].reshape(-1, hd)
                 qlater = later[rng.choice(len(later), min(args.queries, len(later)), replace=False)]
                 w, e = code_head(kpost[il, h], kpre[il, h], pairs, qcal, qlater, calib, bpe, space, args.reference,
-                                 shipped.get((il, h)) if args.kstats else None)
+                                 shipped.get((il, h)))
                 gw.append(w)
                 gk.append(e)
         coder = "C reference" if args.reference else "numpy"

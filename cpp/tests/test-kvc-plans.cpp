@@ -97,8 +97,8 @@ bool write_stats_scaled(const char * src, const std::string & dst, float factor)
         ggml_tensor * t = ggml_get_tensor(ctx, gguf_get_tensor_name(in, i));
         if (t->type == GGML_TYPE_F32 && t->ne[0] == LLAMA_KVCOMP_KSTATS_PER_PAIR) {
             float * x = (float *) t->data;
-            for (int64_t r = 0; r < ggml_nrows(t); ++r) {
-                for (int j = 2; j < 5 && r % 2 == 1; ++j) {
+            for (int64_t r = 1; r < ggml_nrows(t); r += 2) {
+                for (int j = 2; j < 5; ++j) {
                     x[r * LLAMA_KVCOMP_KSTATS_PER_PAIR + j] *= factor;
                 }
             }
