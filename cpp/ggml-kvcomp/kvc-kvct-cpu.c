@@ -21,6 +21,8 @@
 #define KVC_T_INLINE static inline
 #endif
 
+static const float kvc_t_zeros[KVC_T_MAX_D] = { 0 };
+
 #if defined(KVC_T_VBMI)
 #include "ggml-threading.h"
 
@@ -53,10 +55,18 @@ static void kvc_t_vbmi_plane_init(void) {
     ggml_critical_section_end();
 }
 
-// The VBMI decoder's tables (kvc-kvct-cpu.h): code byte i of a chunk is channel
-// 16 (i / 4 % 4) + 4 (i / 16) + i % 4; the words of its qword lane start at the codes of
-// channels 16 (2 (i / 8 % 2)) + 4 (i / 16) (bytes 0-3 of the lane) and 16 more (bytes 4-7).
-// Each word holds its 4 codes: at most 7 bits before the first and 4 x 8 bits of codes.
+// The channel of lane l of vector q of chunk m (the decoder's lane layout, kvc-kvct-cpu.h).
+// Pairs side by side: vectors 2h and 2h + 1 hold the first and second channels of pairs
+// 32 m + 16 h .. + 15. Otherwise channel order, in which NEOX's pairs already lie apart.
+static int32_t kvc_t_vbmi_channel(const kvc_t_decoder * dec, int32_t m, int32_t q, int32_t l) {
+    return dec->pairing == 1 ? 64 * m + 32 * (q / 2) + 2 * l + q % 2 : 64 * m + 16 * q + l;
+}
+
+// The VBMI decoder's tables (kvc-kvct-cpu.h). Code byte i is lane 4 (i / 16) + i % 4 of vector
+// i / 4 % 4. The two words of its qword lane start at the codes of its bytes i - i % 8 (bytes
+// 0-3 of the lane) and i - i % 8 + 4 (bytes 4-7). Each word holds its 4 codes: in channel
+// order they are consecutive, side by side pairs' a or b channels are every other one, so a
+// word spans at most 7 bits before its first code and 7 codes of 8 bits.
 static void kvc_t_vbmi_init(kvc_t_decoder * dec) {
     const kvc_t_plan * plan = dec->plan;
     kvc_t_vbmi_plane_init();
@@ -65,10 +75,11 @@ static void kvc_t_vbmi_init(kvc_t_decoder * dec) {
         dec->vb_w0[m]   = w0;
         dec->vb_has8[m] = false;
         for (int32_t i = 0; i < 64; ++i) {
-            const int32_t ch = c0 + 16 * (i / 4 % 4) + 4 * (i / 16) + i % 4;
-            const int32_t fa = c0 + 32 * (i / 8 % 2) + 4 * (i / 16);
-            const int32_t ba = dec->boff[fa], bb = dec->boff[fa + 16];
-            const int32_t t = i % 8, b = plan->bits[ch];
+            const int32_t t = i % 8, i0 = i - t;
+            const int32_t ch = kvc_t_vbmi_channel(dec, m, i / 4 % 4, 4 * (i / 16) + i % 4);
+            const int32_t fa = kvc_t_vbmi_channel(dec, m, i0 / 4 % 4, 4 * (i0 / 16));
+            const int32_t fb = kvc_t_vbmi_channel(dec, m, i0 / 4 % 4 + 1, 4 * (i0 / 16));
+            const int32_t ba = dec->boff[fa], bb = dec->boff[fb], b = plan->bits[ch];
             dec->vb_perm_a[c0 + i] = (uint8_t) (ba - w0 + t);
             dec->vb_perm_b[c0 + i] = (uint8_t) (bb - w0 + t);
             dec->vb_ctrl[c0 + i]   = (uint8_t) (8 * (dec->boff[ch] - (t < 4 ? ba : bb)) + dec->shift[ch]);
@@ -77,6 +88,13 @@ static void kvc_t_vbmi_init(kvc_t_decoder * dec) {
             dec->vb_low[c0 + i]    = b > 0 ? (uint8_t) ((1 << (b - 1)) - 1) : 0;
             dec->vb_moff[c0 + i]   = b == 0 ? 127 : b == 8 ? 128 : (uint8_t) ((1 << (b - 1)) - 1);
             dec->vb_has8[m] |= b == 8;
+        }
+        for (int32_t q = 0; q < 4; ++q) {
+            for (int32_t l = 0; l < 16; ++l) {
+                const int32_t ch = kvc_t_vbmi_channel(dec, m, q, l);
+                dec->vb_sig[c0 + 16 * q + l]  = dec->sig[ch];
+                dec->vb_base[c0 + 16 * q + l] = dec->base[ch];
+            }
         }
     }
 }
@@ -161,8 +179,8 @@ static inline __m512i kvc_t_load64(const uint8_t * p) {
     return _mm512_loadu_si512((const void *) p);
 }
 
-// Chunk m of row x (row scale vs): its 64 coefficients plus base, channels 64 m + 16 q .. + 15
-// in f[q]. Only the row's own bytes are read (masked loads).
+// Chunk m of row x (row scale vs): its 64 coefficients plus base (both in the lane layout), in
+// f[0..3]. Only the row's own bytes are read (masked loads).
 static inline void kvc_t_vbmi_chunk(const kvc_t_decoder * dec, const uint8_t * x, int32_t m, __m512 vs, const float * base,
                                     __m512 f[4]) {
     const int32_t c0 = 64 * m;
@@ -201,27 +219,72 @@ static inline void kvc_t_vbmi_chunk(const kvc_t_decoder * dec, const uint8_t * x
     };
     for (int q = 0; q < 4; ++q) {
         const int32_t c = c0 + 16 * q;
-        const __m512 l = _mm512_mul_ps(_mm512_castsi512_ps(lv[q]), _mm512_loadu_ps(dec->sig + c));
+        const __m512 l = _mm512_mul_ps(_mm512_castsi512_ps(lv[q]), _mm512_loadu_ps(dec->vb_sig + c));
         f[q] = _mm512_fmadd_ps(l, vs, _mm512_loadu_ps(base + c));
     }
 }
 
-// The coefficients of row x plus `base`, in channel order: the same products as the scalar
-// decoder, 64 at a time.
-static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, const float * base, float * v) {
-    const int32_t d = dec->plan->d;
-    const float s = kvc_e8_to_fp32(x[0]);
-    if (!(s > 0.0f)) {
-        memcpy(v, base, d * sizeof(float));
+// nv vectors of the row in the lane layout, plus its base (dec->vb_base) where `base`: chunks
+// c0, c0 + cstep, ... in F[0..3], F[4..7], ...; turned to the position `delta` steps from the
+// walk's base for a decoder of pairing `turn` (1 or 2; 0: no turn). The pairs' first channels
+// are F[2k] (side by side) or F[k] (NEOX) and their second F[2k + 1] or F[k + nv/2], pairs
+// 16 k .. 16 k + 15 of the block, whose first pair is 32 c0 (side by side) or 64 c0 (NEOX): a
+// whole row (c0 = 0, cstep = 1) or half of a row of 256 (cstep 1 for pairs side by side, 2 for
+// NEOX, whose pairs lie d/2 channels apart). Callers pass nv, turn and cstep as constants where
+// they can, so that F stays in registers.
+KVC_T_INLINE void kvc_t_vbmi_row(const kvc_t_decoder * dec, const uint8_t * x, float rs, bool base, int32_t nv, int32_t turn,
+                                 const kvc_t_rope_walk * w, int32_t delta, int32_t c0, int32_t cstep, __m512 * F) {
+    for (int32_t i = 0; i < nv / 4; ++i) {
+        kvc_t_vbmi_chunk(dec, x, c0 + cstep * i, _mm512_set1_ps(rs), base ? dec->vb_base : kvc_t_zeros, F + 4 * i);
+    }
+    if (turn == 0) {
         return;
     }
-    for (int32_t m = 0; m < d / 64; ++m) {
-        __m512 f[4];
-        kvc_t_vbmi_chunk(dec, x, m, _mm512_set1_ps(s), base, f);
-        for (int q = 0; q < 4; ++q) {
-            _mm512_storeu_ps(v + 64 * m + 16 * q, f[q]);
-        }
+    const int32_t p0 = turn == 1 ? 32 * c0 : 64 * c0;
+    const float * tc = w->steps->c[delta] + p0;
+    const float * ts = w->steps->s[delta] + p0;
+    const float * bcp = w->bc + p0;
+    const float * bsp = w->bs + p0;
+    for (int32_t k = 0; k < nv / 2; ++k) {
+        const int32_t va = turn == 1 ? 2 * k : k, vb = turn == 1 ? 2 * k + 1 : k + nv / 2;
+        const __m512 bc = _mm512_loadu_ps(bcp + 16 * k), bs = _mm512_loadu_ps(bsp + 16 * k);
+        const __m512 tck = _mm512_loadu_ps(tc + 16 * k), tsk = _mm512_loadu_ps(ts + 16 * k);
+        const __m512 c = _mm512_fmsub_ps(bc, tck, _mm512_mul_ps(bs, tsk));
+        const __m512 sn = _mm512_fmadd_ps(bs, tck, _mm512_mul_ps(bc, tsk));
+        const __m512 a = F[va], b = F[vb];
+        F[va] = _mm512_fmsub_ps(c, a, _mm512_mul_ps(sn, b));
+        F[vb] = _mm512_fmadd_ps(sn, a, _mm512_mul_ps(c, b));
     }
+}
+
+// F (the lane layout) in channel order
+static inline void kvc_t_vbmi_store(const kvc_t_decoder * dec, const __m512 * F, float * y) {
+    const int32_t nv = dec->plan->d / 16;
+    if (dec->pairing != 1) {
+        for (int32_t v = 0; v < nv; ++v) {
+            _mm512_storeu_ps(y + 16 * v, F[v]);
+        }
+        return;
+    }
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int32_t v = 0; v < nv; v += 2) {
+        _mm512_storeu_ps(y + 16 * v,      _mm512_permutex2var_ps(F[v], lo, F[v + 1]));
+        _mm512_storeu_ps(y + 16 * v + 16, _mm512_permutex2var_ps(F[v], hi, F[v + 1]));
+    }
+}
+
+// The coefficients of row x plus the decoder's base where `base`, in channel order: the same
+// products as the scalar decoder, 64 at a time.
+static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, bool base, float * v) {
+    const float s = kvc_e8_to_fp32(x[0]);
+    if (!(s > 0.0f)) {
+        memcpy(v, base ? dec->base : kvc_t_zeros, dec->plan->d * sizeof(float));
+        return;
+    }
+    __m512 F[KVC_T_MAX_D / 16];
+    kvc_t_vbmi_row(dec, x, s, base, dec->plan->d / 16, 0, NULL, 0, 0, 1, F);
+    kvc_t_vbmi_store(dec, F, v);
 }
 #elif defined(KVC_T_AVX2)
 // Coefficients c .. c + 7 of the copied row buf (scale vs) plus base, the decoder's av_ fields;
@@ -255,9 +318,10 @@ KVC_T_INLINE __m256 kvc_t_avx2_coefs8(const kvc_t_decoder * dec, const float * l
     return _mm256_fmadd_ps(_mm256_mul_ps(l, _mm256_loadu_ps(dec->sig + c)), vs, _mm256_loadu_ps(base + c));
 }
 
-// The coefficients of row x plus `base`, 8 at a time. The row is copied with room after it
-// for its last windows.
-static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, const float * base, float * v) {
+// The coefficients of row x plus the decoder's base where `base`, 8 at a time. The row is
+// copied with room after it for its last windows.
+static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, bool plus_base, float * v) {
+    const float * base = plus_base ? dec->base : kvc_t_zeros;
     const float s = kvc_e8_to_fp32(x[0]);
     if (!(s > 0.0f)) {
         memcpy(v, base, dec->plan->d * sizeof(float));
@@ -272,10 +336,11 @@ static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, co
     }
 }
 #else
-// The coefficients of row x plus `base`, in channel order. The row is copied with room after
-// it for the 4-byte loads of its last codes.
-static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, const float * base, float * v) {
+// The coefficients of row x plus the decoder's base where `base`, in channel order. The row is
+// copied with room after it for the 4-byte loads of its last codes.
+static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, bool plus_base, float * v) {
     const int32_t d = dec->plan->d;
+    const float * base = plus_base ? dec->base : kvc_t_zeros;
     const float * levels = kvc_t_levels_of(1);
     uint8_t buf[(8 + KVC_T_MAX_BITS * KVC_T_MAX_D) / 8 + 8];
     memcpy(buf, x, dec->row_bytes);
@@ -294,16 +359,14 @@ static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, co
 }
 #endif
 
-static const float kvc_t_zeros[KVC_T_MAX_D] = { 0 };
-
 void kvc_t_decoder_row(const kvc_t_decoder * dec, const uint8_t * x, float * y) {
     const kvc_t_plan * plan = dec->plan;
     if (dec->identity) {
-        kvc_t_decoder_coefs(dec, x, kvc_t_zeros, y);
+        kvc_t_decoder_coefs(dec, x, false, y);
         return;
     }
     float v[KVC_T_MAX_D];
-    kvc_t_decoder_coefs(dec, x, kvc_t_zeros, v);
+    kvc_t_decoder_coefs(dec, x, false, v);
     if (dec->pairing == 0) {
         kvc_t_inverse(plan, v, y);
         return;
@@ -421,24 +484,16 @@ KVC_T_INLINE void kvc_t_row_at(const kvc_t_decoder * dec, const uint8_t * x, con
         return;
     }
 #if defined(KVC_T_VBMI)
-    // pairs side by side are in the same chunk: decoded and turned without a store between
     const float rs = kvc_e8_to_fp32(x[0]);
-    if (dec->pairing == 1 && rs > 0.0f) {
-        for (int32_t m = 0; m < n / 32; ++m) {
-            __m512 f[4];
-            kvc_t_vbmi_chunk(dec, x, m, _mm512_set1_ps(rs), dec->base, f);
-            for (int i = 0; i < 2; ++i) {
-                __m512 cp, sp;
-                kvc_t_angles16(w, tc, ts, 32 * m + 16 * i, &cp, &sp);
-                _mm512_storeu_ps(y + 64 * m + 32 * i,      kvc_t_turn_pairs8(f[2 * i],     cp, sp, 0));
-                _mm512_storeu_ps(y + 64 * m + 32 * i + 16, kvc_t_turn_pairs8(f[2 * i + 1], cp, sp, 1));
-            }
-        }
+    if (rs > 0.0f) {
+        __m512 F[KVC_T_MAX_D / 16];
+        kvc_t_vbmi_row(dec, x, rs, true, dec->plan->d / 16, dec->pairing, w, w->delta, 0, 1, F);
+        kvc_t_vbmi_store(dec, F, y);
         return;
     }
 #endif
     float v[KVC_T_MAX_D];
-    kvc_t_decoder_coefs(dec, x, dec->base, v);
+    kvc_t_decoder_coefs(dec, x, true, v);
     kvc_t_turn(dec->pairing, n, v, w, tc, ts, y);
 }
 
@@ -537,41 +592,77 @@ static inline __m512 kvc_t_hsum16(const __m512 * a) {
 }
 
 #if defined(KVC_T_VBMI)
-// acc[g][i + r] for the nr <= 2 rows x[r] of scales rs[r] > 0 at steps delta[r] from the walk's
-// base, pairs side by side: decoded, turned and met by the queries in registers, two rows in
-// one pass with no store between, so that the decoder's tables, the base's angles and the
-// queries are loaded once for both
-KVC_T_INLINE void kvc_t_rows_dots16(const kvc_t_decoder * dec, const kvc_t_rope_walk * w, int32_t nr, const uint8_t * const * x,
-                                    const float * rs, const int32_t * delta, const float * const * q, int32_t gn,
-                                    __m512 (*acc)[16], int32_t i) {
-    for (int32_t m = 0; m < dec->plan->d / 64; ++m) {
-        __m512 k[2][4];
-        for (int32_t r = 0; r < nr; ++r) {
-            __m512 f[4];
-            kvc_t_vbmi_chunk(dec, x[r], m, _mm512_set1_ps(rs[r]), dec->base, f);
-            for (int h = 0; h < 2; ++h) {
-                __m512 cp, sp;
-                kvc_t_angles16(w, w->steps->c[delta[r]], w->steps->s[delta[r]], 32 * m + 16 * h, &cp, &sp);
-                k[r][2 * h]     = kvc_t_turn_pairs8(f[2 * h], cp, sp, 0);
-                k[r][2 * h + 1] = kvc_t_turn_pairs8(f[2 * h + 1], cp, sp, 1);
+// kvc_t_decoder_dots where every row is decoded in registers: rows coded before RoPE under a plan
+// whose pairs RoPE turns (turn = the decoder's pairing, 1 or 2), or rows after RoPE under a plan
+// of no rotation and no mean (turn 0, no walk). The queries are put in the decoder's lane layout
+// once, so that a row's vectors meet them as they come out of the decoder and the turn, with no
+// store and no permute.
+KVC_T_INLINE void kvc_t_vbmi_dots_nv(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows,
+                                     const int64_t * pos, int32_t n, const float * const * q, int32_t gn, float * d, int32_t ld,
+                                     int32_t nv, int32_t turn) {
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+    __m512 Q[KVC_T_DOTS_MAX_Q][KVC_T_MAX_D / 16];
+    for (int32_t g = 0; g < gn; ++g) {
+        for (int32_t v = 0; v < nv; v += 2) {
+            const __m512 lo = _mm512_loadu_ps(q[g] + 16 * v), hi = _mm512_loadu_ps(q[g] + 16 * v + 16);
+            Q[g][v]     = dec->pairing == 1 ? _mm512_permutex2var_ps(lo, ev, hi) : lo;
+            Q[g][v + 1] = dec->pairing == 1 ? _mm512_permutex2var_ps(lo, od, hi) : hi;
+        }
+    }
+    __m512 acc[KVC_T_DOTS_MAX_Q][16];
+    for (int32_t i0 = 0; i0 < n; i0 += 16) {
+        const int32_t m = n - i0 < 16 ? n - i0 : 16;
+        for (int32_t i = 0; i < 16; ++i) {
+            if (i >= m) {
+                for (int32_t g = 0; g < gn; ++g) {
+                    acc[g][i] = _mm512_setzero_ps();
+                }
+                continue;
+            }
+            const uint8_t * x = rows[i0 + i];
+            if (w) {
+                kvc_t_walk_step(w, pos[i0 + i]);
+            }
+            // a row of 256 in two halves of 8 vectors, which leave the registers room
+            const int32_t nb = nv == 16 ? 2 : 1, nvb = nv / nb, cstep = nb == 2 && turn == 2 ? 2 : 1;
+            const float rs = kvc_e8_to_fp32(x[0]);
+            for (int32_t h = 0; h < nb; ++h) {
+                const int32_t c0 = cstep == 2 ? h : 2 * h;
+                __m512 F[KVC_T_MAX_D / 16];
+                kvc_t_vbmi_row(dec, x, rs, true, nvb, turn, w, w ? w->delta : 0, c0, cstep, F);
+                for (int32_t g = 0; g < gn; ++g) {
+                    __m512 a = h == 0 ? _mm512_setzero_ps() : acc[g][i];
+                    for (int32_t v = 0; v < nvb; ++v) {
+                        a = _mm512_fmadd_ps(F[v], Q[g][4 * (c0 + cstep * (v / 4)) + v % 4], a);
+                    }
+                    acc[g][i] = a;
+                }
             }
         }
         for (int32_t g = 0; g < gn; ++g) {
-            const float * qg = q[g] + 64 * m;
-            __m512 a[2];
-            for (int32_t r = 0; r < nr; ++r) {
-                a[r] = m > 0 ? acc[g][i + r] : _mm512_setzero_ps();
-            }
-            for (int c = 0; c < 4; ++c) {
-                const __m512 qv = _mm512_loadu_ps(qg + 16 * c);
-                for (int32_t r = 0; r < nr; ++r) {
-                    a[r] = _mm512_fmadd_ps(k[r][c], qv, a[r]);
-                }
-            }
-            for (int32_t r = 0; r < nr; ++r) {
-                acc[g][i + r] = a[r];
-            }
+            _mm512_mask_storeu_ps(d + g * ld + i0, (__mmask16) ((1u << m) - 1), kvc_t_hsum16(acc[g]));
         }
+    }
+}
+
+KVC_T_INLINE void kvc_t_vbmi_dots_turn(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows,
+                                       const int64_t * pos, int32_t n, const float * const * q, int32_t gn, float * d, int32_t ld,
+                                       int32_t nv) {
+    switch (w ? dec->pairing : 0) {
+        case 1:  kvc_t_vbmi_dots_nv(dec, w, rows, pos, n, q, gn, d, ld, nv, 1); break;
+        case 2:  kvc_t_vbmi_dots_nv(dec, w, rows, pos, n, q, gn, d, ld, nv, 2); break;
+        default: kvc_t_vbmi_dots_nv(dec, NULL, rows, pos, n, q, gn, d, ld, nv, 0); break;
+    }
+}
+
+static void kvc_t_vbmi_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows, const int64_t * pos,
+                            int32_t n, const float * const * q, int32_t gn, float * d, int32_t ld) {
+    switch (dec->plan->d) {
+        case 64:  kvc_t_vbmi_dots_turn(dec, w, rows, pos, n, q, gn, d, ld, 4);  break;
+        case 128: kvc_t_vbmi_dots_turn(dec, w, rows, pos, n, q, gn, d, ld, 8);  break;
+        case 192: kvc_t_vbmi_dots_turn(dec, w, rows, pos, n, q, gn, d, ld, 12); break;
+        default:  kvc_t_vbmi_dots_turn(dec, w, rows, pos, n, q, gn, d, ld, 16); break;
     }
 }
 #endif
@@ -583,13 +674,6 @@ KVC_T_INLINE void kvc_t_row_dots16(const kvc_t_decoder * dec, kvc_t_rope_walk * 
     if (w) {
         kvc_t_walk_step(w, pos);
     }
-#if defined(KVC_T_VBMI)
-    const float rs = kvc_e8_to_fp32(x[0]);
-    if (w && w->fold && dec->pairing == 1 && rs > 0.0f) {
-        kvc_t_rows_dots16(dec, w, 1, &x, &rs, &w->delta, q, gn, acc, i);
-        return;
-    }
-#endif
     float y[KVC_T_MAX_D];
     kvc_t_row_to(dec, w, x, y);
     for (int32_t g = 0; g < gn; ++g) {
@@ -605,27 +689,18 @@ KVC_T_INLINE void kvc_t_row_dots16(const kvc_t_decoder * dec, kvc_t_rope_walk * 
 void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows, const int64_t * pos,
                         int32_t n, const float * const * q, int32_t gn, float * d, int32_t ld) {
     const int32_t dd = dec->plan->d;
+#if defined(KVC_T_VBMI)
+    if (w ? w->fold : dec->identity) {
+        kvc_t_vbmi_dots(dec, w, rows, pos, n, q, gn, d, ld);
+        return;
+    }
+#endif
 #if defined(__AVX512F__)
     if (dd % 16 == 0) {
         __m512 acc[KVC_T_DOTS_MAX_Q][16];
         for (int32_t i0 = 0; i0 < n; i0 += 16) {
             const int32_t m = n - i0 < 16 ? n - i0 : 16;
             int32_t i = 0;
-#if defined(KVC_T_VBMI)
-            // two rows at a time where both are decoded in registers at steps of the same base
-            for (; w && w->fold && dec->pairing == 1 && i + 1 < m; i += 2) {
-                const uint8_t * x[2] = { rows[i0 + i], rows[i0 + i + 1] };
-                const float     rs[2] = { kvc_e8_to_fp32(x[0][0]), kvc_e8_to_fp32(x[1][0]) };
-                kvc_t_walk_step(w, pos[i0 + i]);
-                const int64_t   step = pos[i0 + i + 1] - w->base;
-                if (!(rs[0] > 0.0f && rs[1] > 0.0f && step >= 0 && step < KVC_T_ROPE_STEPS)) {
-                    break;
-                }
-                const int32_t delta[2] = { w->delta, (int32_t) step };
-                kvc_t_rows_dots16(dec, w, 2, x, rs, delta, q, gn, acc, i);
-                w->delta = delta[1];
-            }
-#endif
             for (; i < m; ++i) {
                 kvc_t_row_dots16(dec, w, rows[i0 + i], pos ? pos[i0 + i] : 0, q, gn, acc, i);
             }

@@ -32,17 +32,21 @@ typedef struct {
     float   base[KVC_T_MAX_D];
     // The AVX-512 VBMI decoder (filled where it is built): a chunk of 64 coefficients at a time,
     // its codes cut out of the row by byte shuffles and bit-field shifts, their levels looked up
-    // as 4 byte planes of a table of magnitudes, the sign from the code's top bit. A code byte
-    // i of a chunk holds channel 16 (i / 4 % 4) + 4 (i / 16) + i % 4, so that interleaving
-    // the planes within 128-bit lanes gives the floats back in channel order. Per chunk: the
-    // row byte its window starts at and whether it has 8-bit codes; per code byte: the window
-    // bytes of the two 8-byte words its qword lane reads (its first 4 codes from one, its last
-    // 4 from the other), its first bit in its word, its mask, the top bit of its code, that
-    // bit minus one, and where its magnitudes start (in one table for every plan).
+    // as 4 byte planes of a table of magnitudes, the sign from the code's top bit. Interleaving
+    // the planes within 128-bit lanes gives 4 vectors of 16 floats whose lane l of vector q is
+    // code byte 16 (l / 4) + 4 q + l % 4. Which channel each vector lane holds is the decoder's
+    // lane layout (kvc_t_vbmi_channel): with pairs side by side, 16 pairs' first channels in
+    // one vector and their second in the next, so that RoPE turns them without a permute. Per
+    // chunk: the row byte its window starts at and whether it has 8-bit codes; per code byte:
+    // the window bytes of the two 8-byte words its qword lane reads (its first 4 codes from
+    // one, its last 4 from the other), its first bit in its word, its mask, the top bit of its
+    // code, that bit minus one, and where its magnitudes start (in one table for every plan);
+    // per lane: sig and base.
     int32_t vb_w0[KVC_T_MAX_D / 64];
     bool    vb_has8[KVC_T_MAX_D / 64];
     uint8_t vb_perm_a[KVC_T_MAX_D], vb_perm_b[KVC_T_MAX_D], vb_ctrl[KVC_T_MAX_D], vb_mask[KVC_T_MAX_D];
     uint8_t vb_top[KVC_T_MAX_D], vb_low[KVC_T_MAX_D], vb_moff[KVC_T_MAX_D];
+    float   vb_sig[KVC_T_MAX_D], vb_base[KVC_T_MAX_D];
     // The AVX2 decoder (filled where it is built): 8 coefficients at a time, each one's 4 bytes
     // picked by a byte shuffle (av_ctrl) from a 16-byte window of the row at av_win (one for
     // coefficients 8 g .. 8 g + 3, one for the next 4), then shifted and masked as above. In a

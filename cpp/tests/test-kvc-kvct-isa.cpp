@@ -5,8 +5,8 @@
 // it); a level the machine cannot run exits 77 (skipped).
 //
 // Rows are coded with quantize_row_kvct_ref under plans of both RoPE pairings, head sizes
-// 64/128/256, energies that give some coefficients 8 bits and energies that do not; each is
-// read at positions with runs and jumps (kvc_t_rope_walk) and compared with
+// 64/128/192/256, energies that give some coefficients 8 bits and energies that do not, a row at
+// its plan's mean (scale code 0) among them; each is read at positions with runs and jumps (kvc_t_rope_walk) and compared with
 // dequantize_row_kvct turned by kvc_t_rope_cs's exact angles: NMSE <= 1e-10 (the walk's
 // float angles; measured about 1e-12), and rows after RoPE (no turn) bit for bit. The rows'
 // scores against queries (kvc_t_decoder_dots, which decode steps use) are held to double dot
@@ -77,7 +77,8 @@ void test_decoder(report & rep, int d, bool neox, bool steep) {
     bool same = true;
     for (int r = 0; r < n; ++r) {
         for (int i = 0; i < d; ++i) {
-            xs[i] = plan.mean[i] + 2.0f * x[(size_t) r * d + i] * std::sqrt(plan.sigma[i]);
+            // every 97th row at the mean: scale code 0, which the decoders take apart
+            xs[i] = plan.mean[i] + (r % 97 == 5 ? 0.0f : 2.0f * x[(size_t) r * d + i] * std::sqrt(plan.sigma[i]));
         }
         quantize_row_kvct_ref(&plan, xs.data(), row.data());
         const int64_t pos = r < 2 * n / 3 ? r : r % 3 == 0 ? 40000 + 5 * r : 900 + r;
@@ -193,7 +194,7 @@ int main() {
     }
 #endif
     report rep;
-    for (int d : { 64, 128, 256 }) {
+    for (int d : { 64, 128, 192, 256 }) {
         for (bool neox : { false, true }) {
             for (bool steep : { false, true }) {
                 test_decoder(rep, d, neox, steep);
