@@ -226,14 +226,16 @@ static inline void kvc_t_vbmi_chunk(const kvc_t_decoder * dec, const uint8_t * x
 
 // nv vectors of the row in the lane layout, plus its base (dec->vb_base) where `base`: chunks
 // c0, c0 + cstep, ... in F[0..3], F[4..7], ...; turned to the position `delta` steps from the
-// walk's base for a decoder of pairing `turn` (1 or 2; 0: no turn). The pairs' first channels
+// walk's base for a decoder of pairing `turn` (1 or 2; 0: no turn), or only by those steps
+// where `steps_only` (the caller turns its queries back by the base's angles instead). The pairs' first channels
 // are F[2k] (side by side) or F[k] (NEOX) and their second F[2k + 1] or F[k + nv/2], pairs
 // 16 k .. 16 k + 15 of the block, whose first pair is 32 c0 (side by side) or 64 c0 (NEOX): a
 // whole row (c0 = 0, cstep = 1) or half of a row of 256 (cstep 1 for pairs side by side, 2 for
 // NEOX, whose pairs lie d/2 channels apart). Callers pass nv, turn and cstep as constants where
 // they can, so that F stays in registers.
 KVC_T_INLINE void kvc_t_vbmi_row(const kvc_t_decoder * dec, const uint8_t * x, float rs, bool base, int32_t nv, int32_t turn,
-                                 const kvc_t_rope_walk * w, int32_t delta, int32_t c0, int32_t cstep, __m512 * F) {
+                                 bool steps_only, const kvc_t_rope_walk * w, int32_t delta, int32_t c0, int32_t cstep,
+                                 __m512 * F) {
     for (int32_t i = 0; i < nv / 4; ++i) {
         kvc_t_vbmi_chunk(dec, x, c0 + cstep * i, _mm512_set1_ps(rs), base ? dec->vb_base : kvc_t_zeros, F + 4 * i);
     }
@@ -247,10 +249,13 @@ KVC_T_INLINE void kvc_t_vbmi_row(const kvc_t_decoder * dec, const uint8_t * x, f
     const float * bsp = w->bs + p0;
     for (int32_t k = 0; k < nv / 2; ++k) {
         const int32_t va = turn == 1 ? 2 * k : k, vb = turn == 1 ? 2 * k + 1 : k + nv / 2;
-        const __m512 bc = _mm512_loadu_ps(bcp + 16 * k), bs = _mm512_loadu_ps(bsp + 16 * k);
         const __m512 tck = _mm512_loadu_ps(tc + 16 * k), tsk = _mm512_loadu_ps(ts + 16 * k);
-        const __m512 c = _mm512_fmsub_ps(bc, tck, _mm512_mul_ps(bs, tsk));
-        const __m512 sn = _mm512_fmadd_ps(bs, tck, _mm512_mul_ps(bc, tsk));
+        __m512 c = tck, sn = tsk;
+        if (!steps_only) {
+            const __m512 bc = _mm512_loadu_ps(bcp + 16 * k), bs = _mm512_loadu_ps(bsp + 16 * k);
+            c  = _mm512_fmsub_ps(bc, tck, _mm512_mul_ps(bs, tsk));
+            sn = _mm512_fmadd_ps(bs, tck, _mm512_mul_ps(bc, tsk));
+        }
         const __m512 a = F[va], b = F[vb];
         F[va] = _mm512_fmsub_ps(c, a, _mm512_mul_ps(sn, b));
         F[vb] = _mm512_fmadd_ps(sn, a, _mm512_mul_ps(c, b));
@@ -283,7 +288,7 @@ static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, bo
         return;
     }
     __m512 F[KVC_T_MAX_D / 16];
-    kvc_t_vbmi_row(dec, x, s, base, dec->plan->d / 16, 0, NULL, 0, 0, 1, F);
+    kvc_t_vbmi_row(dec, x, s, base, dec->plan->d / 16, 0, false, NULL, 0, 0, 1, F);
     kvc_t_vbmi_store(dec, F, v);
 }
 #elif defined(KVC_T_AVX2)
@@ -487,7 +492,7 @@ KVC_T_INLINE void kvc_t_row_at(const kvc_t_decoder * dec, const uint8_t * x, con
     const float rs = kvc_e8_to_fp32(x[0]);
     if (rs > 0.0f) {
         __m512 F[KVC_T_MAX_D / 16];
-        kvc_t_vbmi_row(dec, x, rs, true, dec->plan->d / 16, dec->pairing, w, w->delta, 0, 1, F);
+        kvc_t_vbmi_row(dec, x, rs, true, dec->plan->d / 16, dec->pairing, false, w, w->delta, 0, 1, F);
         kvc_t_vbmi_store(dec, F, y);
         return;
     }
@@ -592,11 +597,38 @@ static inline __m512 kvc_t_hsum16(const __m512 * a) {
 }
 
 #if defined(KVC_T_VBMI)
+// acc[g][i + r] = the lanes whose sum is Q[g] . (row x[r] turned by its steps delta[r]), for nr
+// rows (1 or 2: two rows decoded side by side give the core two independent chains to overlap)
+KVC_T_INLINE void kvc_t_vbmi_score(const kvc_t_decoder * dec, const kvc_t_rope_walk * w, int32_t nr, const uint8_t * const * x,
+                                   const int32_t * delta, int32_t nv, int32_t turn, __m512 (*Q)[KVC_T_MAX_D / 16], int32_t gn,
+                                   __m512 (*acc)[16], int32_t i) {
+    // a row of 256 in two halves of 8 vectors, which leave the registers room
+    const int32_t nb = nv == 16 ? 2 : 1, nvb = nv / nb, cstep = nb == 2 && turn == 2 ? 2 : 1;
+    for (int32_t h = 0; h < nb; ++h) {
+        const int32_t c0 = cstep == 2 ? h : 2 * h;
+        __m512 F[2][KVC_T_MAX_D / 16];
+        for (int32_t r = 0; r < nr; ++r) {
+            kvc_t_vbmi_row(dec, x[r], kvc_e8_to_fp32(x[r][0]), true, nvb, turn, true, w, delta[r], c0, cstep, F[r]);
+        }
+        for (int32_t g = 0; g < gn; ++g) {
+            for (int32_t r = 0; r < nr; ++r) {
+                __m512 a = h == 0 ? _mm512_setzero_ps() : acc[g][i + r];
+                for (int32_t v = 0; v < nvb; ++v) {
+                    a = _mm512_fmadd_ps(F[r][v], Q[g][4 * (c0 + cstep * (v / 4)) + v % 4], a);
+                }
+                acc[g][i + r] = a;
+            }
+        }
+    }
+}
+
 // kvc_t_decoder_dots where every row is decoded in registers: rows coded before RoPE under a plan
 // whose pairs RoPE turns (turn = the decoder's pairing, 1 or 2), or rows after RoPE under a plan
 // of no rotation and no mean (turn 0, no walk). The queries are put in the decoder's lane layout
 // once, so that a row's vectors meet them as they come out of the decoder and the turn, with no
-// store and no permute.
+// store and no permute. q . R(base + steps) k = (R(base)' q) . R(steps) k: the queries are
+// turned back by the walk's base whenever it moves (every 16 keys along a run), and each row
+// only by its steps from there, whose angles are read, not made.
 KVC_T_INLINE void kvc_t_vbmi_dots_nv(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows,
                                      const int64_t * pos, int32_t n, const float * const * q, int32_t gn, float * d, int32_t ld,
                                      int32_t nv, int32_t turn) {
@@ -610,34 +642,49 @@ KVC_T_INLINE void kvc_t_vbmi_dots_nv(const kvc_t_decoder * dec, kvc_t_rope_walk 
             Q[g][v + 1] = dec->pairing == 1 ? _mm512_permutex2var_ps(lo, od, hi) : hi;
         }
     }
+    __m512 QT[KVC_T_DOTS_MAX_Q][KVC_T_MAX_D / 16];
+    int64_t qbase = INT64_MIN;
     __m512 acc[KVC_T_DOTS_MAX_Q][16];
     for (int32_t i0 = 0; i0 < n; i0 += 16) {
         const int32_t m = n - i0 < 16 ? n - i0 : 16;
-        for (int32_t i = 0; i < 16; ++i) {
-            if (i >= m) {
-                for (int32_t g = 0; g < gn; ++g) {
-                    acc[g][i] = _mm512_setzero_ps();
-                }
-                continue;
-            }
-            const uint8_t * x = rows[i0 + i];
-            if (w) {
+        for (int32_t i = 0; i < m;) {
+            // rows of 64 two at a time where both are at steps of the same base (longer rows
+            // leave the registers no room for two: slower by a fifth at 128 and 256 on AMD Zen 4)
+            const uint8_t * x[2] = { rows[i0 + i], i + 1 < m ? rows[i0 + i + 1] : NULL };
+            int32_t delta[2] = { 0, 0 };
+            bool two = nv == 4 && i + 1 < m;
+            if (turn != 0) {
                 kvc_t_walk_step(w, pos[i0 + i]);
-            }
-            // a row of 256 in two halves of 8 vectors, which leave the registers room
-            const int32_t nb = nv == 16 ? 2 : 1, nvb = nv / nb, cstep = nb == 2 && turn == 2 ? 2 : 1;
-            const float rs = kvc_e8_to_fp32(x[0]);
-            for (int32_t h = 0; h < nb; ++h) {
-                const int32_t c0 = cstep == 2 ? h : 2 * h;
-                __m512 F[KVC_T_MAX_D / 16];
-                kvc_t_vbmi_row(dec, x, rs, true, nvb, turn, w, w ? w->delta : 0, c0, cstep, F);
-                for (int32_t g = 0; g < gn; ++g) {
-                    __m512 a = h == 0 ? _mm512_setzero_ps() : acc[g][i];
-                    for (int32_t v = 0; v < nvb; ++v) {
-                        a = _mm512_fmadd_ps(F[v], Q[g][4 * (c0 + cstep * (v / 4)) + v % 4], a);
+                if (w->base != qbase) {
+                    qbase = w->base;
+                    for (int32_t k = 0; k < nv / 2; ++k) {
+                        const int32_t va = turn == 1 ? 2 * k : k, vb = turn == 1 ? 2 * k + 1 : k + nv / 2;
+                        const __m512 c = _mm512_loadu_ps(w->bc + 16 * k), sn = _mm512_loadu_ps(w->bs + 16 * k);
+                        for (int32_t g = 0; g < gn; ++g) {
+                            QT[g][va] = _mm512_fmadd_ps(c, Q[g][va], _mm512_mul_ps(sn, Q[g][vb]));
+                            QT[g][vb] = _mm512_fmsub_ps(c, Q[g][vb], _mm512_mul_ps(sn, Q[g][va]));
+                        }
                     }
-                    acc[g][i] = a;
                 }
+                const int64_t step = two ? pos[i0 + i + 1] - w->base : -1;
+                two      = step >= 0 && step < KVC_T_ROPE_STEPS;
+                delta[0] = w->delta;
+                if (two) {
+                    delta[1] = (int32_t) step;
+                    w->delta = delta[1];
+                }
+            }
+            if (two) {
+                kvc_t_vbmi_score(dec, w, 2, x, delta, nv, turn, turn != 0 ? QT : Q, gn, acc, i);
+                i += 2;
+            } else {
+                kvc_t_vbmi_score(dec, w, 1, x, delta, nv, turn, turn != 0 ? QT : Q, gn, acc, i);
+                i += 1;
+            }
+        }
+        for (int32_t i = m; i < 16; ++i) {
+            for (int32_t g = 0; g < gn; ++g) {
+                acc[g][i] = _mm512_setzero_ps();
             }
         }
         for (int32_t g = 0; g < gn; ++g) {
