@@ -81,7 +81,9 @@ void test_decoder(report & rep, int d, bool neox, bool steep) {
             xs[i] = plan.mean[i] + (r % 97 == 5 ? 0.0f : 2.0f * x[(size_t) r * d + i] * std::sqrt(plan.sigma[i]));
         }
         quantize_row_kvct_ref(&plan, xs.data(), row.data());
-        const int64_t pos = r < 2 * n / 3 ? r : r % 3 == 0 ? 40000 + 5 * r : 900 + r;
+        // a run, a run with gaps of 3 (as three sequences' cells alternate), then jumps between
+        // two runs
+        const int64_t pos = r < n / 3 ? r : r < 2 * n / 3 ? 3 * r - 2 * (n / 3) : r % 3 == 0 ? 40000 + 5 * r : 900 + r;
         kvc_t_rope_walk_to(&walk, pos);
         kvc_t_decoder_row_at(&dec, row.data(), &walk, y.data());
         dequantize_row_kvct(&plan, row.data(), z.data());
