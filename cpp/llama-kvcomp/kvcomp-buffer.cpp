@@ -177,27 +177,33 @@ void llama_kvcomp_buffer::slot_norms(int32_t ib, std::vector<float> & k_l2, std:
     if (!buffered) {
         return;
     }
-    // one read and one conversion per stream's slots, as the monitor refreshes during decoding
+    // held slots only, each converted once, read in place from a host buffer (the monitor
+    // refreshes during decoding)
     using to_f32_t = void (*)(const ggml_fp16_t *, float *, int64_t);
     static const to_f32_t cpu_to_f32 = (to_f32_t) llama_kvcomp_cpu_proc("ggml_cpu_fp16_to_fp32");
     const to_f32_t to_f32 = cpu_to_f32 ? cpu_to_f32 : ggml_fp16_to_fp32_row;
-    std::vector<ggml_fp16_t> raw;
-    std::vector<float> rows;
+    std::vector<uint8_t> raw;
+    std::vector<float> row;
     const auto norms = [&](const ggml_tensor * t, std::vector<float> & out) {
         const int64_t n = t->ne[0], d = n / (int64_t) out.size();
-        raw.resize((size_t) n * n_slots());
-        rows.resize(raw.size());
+        const bool host = ggml_backend_buffer_is_host(t->buffer);
+        row.resize((size_t) n);
         std::vector<double> acc(out.size(), 0.0);
         for (size_t st = 0; st < maps.size(); ++st) {
-            ggml_backend_tensor_get(t, raw.data(), st * n_rows() * t->nb[1], n_slots() * t->nb[1]);
-            to_f32(raw.data(), rows.data(), (int64_t) rows.size());
+            const size_t off = st * n_rows() * t->nb[1];
+            const uint8_t * src = (const uint8_t *) t->data + off;
+            if (!host) {
+                raw.resize(n_slots() * t->nb[1]);
+                ggml_backend_tensor_get(t, raw.data(), off, raw.size());
+                src = raw.data();
+            }
             for (uint32_t s = 0; s < n_slots(); ++s) {
                 if (maps[st].slot_kinds[s] == SLOT_KIND_FREE || maps[st].slot_kinds[s] == SLOT_KIND_SPARE) {
                     continue;
                 }
-                const float * x = rows.data() + (size_t) s * n;
+                to_f32((const ggml_fp16_t *) (src + s * t->nb[1]), row.data(), n);
                 for (size_t h = 0; h < out.size(); ++h) {
-                    acc[h] += sum_squares(x + (int64_t) h * d, d);
+                    acc[h] += sum_squares(row.data() + (int64_t) h * d, d);
                 }
             }
         }
