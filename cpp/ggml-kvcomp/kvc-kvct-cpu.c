@@ -227,12 +227,12 @@ static inline void kvc_t_vbmi_chunk(const kvc_t_decoder * dec, const uint8_t * x
 // nv vectors of the row in the lane layout, plus its base (dec->vb_base) where `base`: chunks
 // c0, c0 + cstep, ... in F[0..3], F[4..7], ...; turned to the position `delta` steps from the
 // walk's base for a decoder of pairing `turn` (1 or 2; 0: no turn), or only by those steps
-// where `steps_only` (the caller turns its queries back by the base's angles instead). The pairs' first channels
-// are F[2k] (side by side) or F[k] (NEOX) and their second F[2k + 1] or F[k + nv/2], pairs
-// 16 k .. 16 k + 15 of the block, whose first pair is 32 c0 (side by side) or 64 c0 (NEOX): a
-// whole row (c0 = 0, cstep = 1) or half of a row of 256 (cstep 1 for pairs side by side, 2 for
-// NEOX, whose pairs lie d/2 channels apart). Callers pass nv, turn and cstep as constants where
-// they can, so that F stays in registers.
+// where `steps_only` (the caller turns its queries back by the base's angles instead). The
+// pairs' first channels are F[2k] (side by side) or F[k] (NEOX) and their second F[2k + 1] or
+// F[k + nv/2], pairs 16 k .. 16 k + 15 of the block, whose first pair is 32 c0 (side by side)
+// or 64 c0 (NEOX): a whole row (c0 = 0, cstep = 1) or half of a row of 256 (cstep 1 for pairs
+// side by side, 2 for NEOX, whose pairs lie d/2 channels apart). Callers pass nv, turn and
+// cstep as constants where they can, so that F stays in registers.
 KVC_T_INLINE void kvc_t_vbmi_row(const kvc_t_decoder * dec, const uint8_t * x, float rs, bool base, int32_t nv, int32_t turn,
                                  bool steps_only, const kvc_t_rope_walk * w, int32_t delta, int32_t c0, int32_t cstep,
                                  __m512 * F) {
