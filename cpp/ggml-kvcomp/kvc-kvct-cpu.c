@@ -23,6 +23,17 @@
 
 static const float kvc_t_zeros[KVC_T_MAX_D] = { 0 };
 
+#if defined(__AVX512F__)
+// The angles of 16 pairs from p: the walk's base plus (tc, ts)
+static inline void kvc_t_angles16(const kvc_t_rope_walk * w, const float * tc, const float * ts, int32_t p, __m512 * c, __m512 * s) {
+    const __m512 bc = _mm512_loadu_ps(w->bc + p), bs = _mm512_loadu_ps(w->bs + p);
+    const __m512 tcp = _mm512_loadu_ps(tc + p), tsp = _mm512_loadu_ps(ts + p);
+    *c = _mm512_fmsub_ps(bc, tcp, _mm512_mul_ps(bs, tsp));
+    *s = _mm512_fmadd_ps(bs, tcp, _mm512_mul_ps(bc, tsp));
+}
+
+#endif
+
 #if defined(KVC_T_VBMI)
 #include "ggml-threading.h"
 
@@ -243,18 +254,16 @@ KVC_T_INLINE void kvc_t_vbmi_row(const kvc_t_decoder * dec, const uint8_t * x, f
         return;
     }
     const int32_t p0 = turn == 1 ? 32 * c0 : 64 * c0;
-    const float * tc = w->steps->c[delta] + p0;
-    const float * ts = w->steps->s[delta] + p0;
-    const float * bcp = w->bc + p0;
-    const float * bsp = w->bs + p0;
+    const float * tc = w->steps->c[delta];
+    const float * ts = w->steps->s[delta];
     for (int32_t k = 0; k < nv / 2; ++k) {
-        const int32_t va = turn == 1 ? 2 * k : k, vb = turn == 1 ? 2 * k + 1 : k + nv / 2;
-        const __m512 tck = _mm512_loadu_ps(tc + 16 * k), tsk = _mm512_loadu_ps(ts + 16 * k);
-        __m512 c = tck, sn = tsk;
-        if (!steps_only) {
-            const __m512 bc = _mm512_loadu_ps(bcp + 16 * k), bs = _mm512_loadu_ps(bsp + 16 * k);
-            c  = _mm512_fmsub_ps(bc, tck, _mm512_mul_ps(bs, tsk));
-            sn = _mm512_fmadd_ps(bs, tck, _mm512_mul_ps(bc, tsk));
+        const int32_t va = turn == 1 ? 2 * k : k, vb = turn == 1 ? 2 * k + 1 : k + nv / 2, p = p0 + 16 * k;
+        __m512 c, sn;
+        if (steps_only) {
+            c  = _mm512_loadu_ps(tc + p);
+            sn = _mm512_loadu_ps(ts + p);
+        } else {
+            kvc_t_angles16(w, tc, ts, p, &c, &sn);
         }
         const __m512 a = F[va], b = F[vb];
         F[va] = _mm512_fmsub_ps(c, a, _mm512_mul_ps(sn, b));
@@ -398,14 +407,6 @@ static void kvc_t_add_angles(int32_t n, float * GGML_RESTRICT c, float * GGML_RE
 }
 
 #if defined(__AVX512F__)
-// The angles of 16 pairs from p: the walk's base plus (tc, ts)
-static inline void kvc_t_angles16(const kvc_t_rope_walk * w, const float * tc, const float * ts, int32_t p, __m512 * c, __m512 * s) {
-    const __m512 bc = _mm512_loadu_ps(w->bc + p), bs = _mm512_loadu_ps(w->bs + p);
-    const __m512 tcp = _mm512_loadu_ps(tc + p), tsp = _mm512_loadu_ps(ts + p);
-    *c = _mm512_fmsub_ps(bc, tcp, _mm512_mul_ps(bs, tsp));
-    *s = _mm512_fmadd_ps(bs, tcp, _mm512_mul_ps(bc, tsp));
-}
-
 // 8 pairs (2p, 2p+1) side by side in a, turned by the angles of pairs h*8 .. h*8+7 of (c, s):
 // c a -+ s a', a' the pairs swapped
 static inline __m512 kvc_t_turn_pairs8(__m512 a, __m512 c, __m512 s, int h) {

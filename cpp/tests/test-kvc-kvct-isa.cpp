@@ -6,11 +6,11 @@
 //
 // Rows are coded with quantize_row_kvct_ref under plans of both RoPE pairings, head sizes
 // 64/128/192/256, energies that give some coefficients 8 bits and energies that do not, a row at
-// its plan's mean (scale code 0) among them; each is read at positions with runs and jumps (kvc_t_rope_walk) and compared with
-// dequantize_row_kvct turned by kvc_t_rope_cs's exact angles: NMSE <= 1e-10 (the walk's
-// float angles; measured about 1e-12), and rows after RoPE (no turn) bit for bit. The rows'
-// scores against queries (kvc_t_decoder_dots, which decode steps use) are held to double dot
-// products of the reference rows. The coder (kvc_t_quantize_row, kvc-kvct-code-cpu.c) writes
+// its plan's mean (scale code 0) among them; each is read at positions with runs and jumps
+// (kvc_t_rope_walk) and compared with dequantize_row_kvct turned by kvc_t_rope_cs's exact
+// angles: NMSE <= 1e-10 (the walk's float angles; measured about 1e-12), and rows after RoPE
+// (no turn) bit for bit. The rows' scores against queries (kvc_t_decoder_dots, which decode
+// steps use) are held to double dot products of the reference rows. The coder (kvc_t_quantize_row, kvc-kvct-code-cpu.c) writes
 // the reference's bytes.
 
 #include "kvc-test-util.h"
