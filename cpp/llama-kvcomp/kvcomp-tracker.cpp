@@ -11,7 +11,8 @@
 #include <mutex>
 #include <stdexcept>
 
-// the window of updates the statistics cover, and how often they are recomputed
+// the window of updates the statistics cover, and how often they are recomputed (the
+// window's groups)
 static constexpr uint32_t KVCOMP_WINDOW   = 32;
 static constexpr uint32_t KVCOMP_RECOMPUTE = 8;
 static constexpr double   KVCOMP_QUANTILE = 0.999;
@@ -87,8 +88,8 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         // deep layers follow their rows faster: α rises linearly with depth
         const float t = n > 1 ? (float) ib / (float) (n - 1) : 0.0f;
         l.alpha = params.ema_shallow + t * (params.ema_deep - params.ema_shallow);
-        l.k_win.resize(KVCOMP_WINDOW);
-        l.v_win.resize(KVCOMP_WINDOW);
+        l.k_win = kvcomp_window(l.n_embd_k, KVCOMP_WINDOW, KVCOMP_RECOMPUTE, KVCOMP_TAP_N, KVCOMP_QUANTILE);
+        l.v_win = kvcomp_window(l.n_embd_v, KVCOMP_WINDOW, KVCOMP_RECOMPUTE, KVCOMP_TAP_N, KVCOMP_QUANTILE);
         l.k_err_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
         l.k_energy_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
         l.c.assign((size_t) n_stream * l.n_embd_k, 0.0f);
@@ -237,174 +238,20 @@ ggml_tensor * llama_kvcomp_tracker::unstore(ggml_context * ctx0, ggml_tensor * r
     return ggml_reshape_3d(ctx0, r4, rows->ne[0], rows->ne[1], rows->ne[2]);
 }
 
-void llama_kvcomp_tracker::fold(std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const {
-    update_stats & u = win[n_updates % KVCOMP_WINDOW];
-    u.n = n_rows;
-    // second extremes only where there is a second row: a decode step's update is half the
-    // memory the window's recompute walks
-    u.hi2.clear();
-    u.lo2.clear();
-    if (n_rows == 0) {
-        u.hi1.assign(n_embd, -INFINITY);
-        u.lo1.assign(n_embd, INFINITY);
-        return;
-    }
-    u.hi1.resize(n_embd);
-    u.lo1.resize(n_embd);
-    if (n_rows > 1) {
-        u.hi2.assign(n_embd, -INFINITY);
-        u.lo2.assign(n_embd, INFINITY);
-    }
-    // the first row is each channel's extreme both ways (a decode step's only row): a copy
-    for (int64_t i = 0; i < n_embd; ++i) {
-        const bool ok = std::isfinite(rows[i]);
-        u.hi1[i] = ok ? rows[i] : -INFINITY;
-        u.lo1[i] = ok ? rows[i] : INFINITY;
-    }
-    for (uint32_t r = 1; r < n_rows; ++r) {
-        const float * x = rows + (size_t) r * n_embd;
-        for (int64_t i = 0; i < n_embd; ++i) {
-            if (!std::isfinite(x[i])) {
-                continue;
-            }
-            if (x[i] > u.hi1[i]) {
-                u.hi2[i] = u.hi1[i];
-                u.hi1[i] = x[i];
-            } else if (x[i] > u.hi2[i]) {
-                u.hi2[i] = x[i];
-            }
-            if (x[i] < u.lo1[i]) {
-                u.lo2[i] = u.lo1[i];
-                u.lo1[i] = x[i];
-            } else if (x[i] < u.lo2[i]) {
-                u.lo2[i] = x[i];
-            }
-        }
-    }
-}
-
-// The q-quantile from the top (or bottom) of a set of n samples, given each update's two
-// extreme values per channel: with n <= 1000 * 2 it is among them. The candidates are walked
-// in place with a heap of the k + 1 most extreme: k = floor((1 - q) n) is 0 for a decode
-// window and at most a few hundred for a window of prompts, where a copy and a selection over
-// every candidate cost a step's worth of time (per channel of every layer, every
-// KVCOMP_RECOMPUTE updates). Non-finite candidates are skipped; none left gives 0.
-namespace {
-struct extreme_select {
-    std::vector<float> heap;
-
-    // win: a window of the tracker's update_stats
-    template <bool top, typename window>
-    float run(const window & win, int64_t i0, int64_t i1, size_t n) {
-        const size_t cap = (size_t) std::floor((1.0 - KVCOMP_QUANTILE) * (double) n) + 1;
-        // ordered by this, a heap's front is the least extreme it keeps: the answer once it is full
-        const auto more_extreme = [](float a, float b) { return top ? a > b : a < b; };
-        heap.clear();
-        for (const auto & u : win) {
-            if (u.n == 0) {
-                continue;
-            }
-            const std::vector<float> & e1 = top ? u.hi1 : u.lo1;
-            const std::vector<float> & e2 = top ? u.hi2 : u.lo2;
-            if (heap.size() == cap) {
-                // an update none of whose extremes passes the heap's front adds nothing; fold()
-                // keeps e1 at least as extreme as e2 and never NaN, so e1's extreme decides
-                // eight running extremes side by side: one chain of comparisons over a head's
-                // channels waited on each comparison (a tenth of a decode window's recompute)
-                constexpr int64_t LANES = 8;
-                float ml[LANES];
-                std::fill(ml, ml + LANES, e1[i0]);
-                int64_t i = i0;
-                for (; i + LANES <= i1; i += LANES) {
-                    for (int64_t j = 0; j < LANES; ++j) {
-                        ml[j] = more_extreme(e1[i + j], ml[j]) ? e1[i + j] : ml[j];
-                    }
-                }
-                for (; i < i1; ++i) {
-                    ml[0] = more_extreme(e1[i], ml[0]) ? e1[i] : ml[0];
-                }
-                float m = ml[0];
-                for (int64_t j = 1; j < LANES; ++j) {
-                    m = more_extreme(ml[j], m) ? ml[j] : m;
-                }
-                if (!more_extreme(m, heap.front())) {
-                    continue;
-                }
-            }
-            // an update of one row has no second extremes (fold() keeps none)
-            const int n_e = e2.empty() ? 1 : 2;
-            for (int64_t i = i0; i < i1; ++i) {
-                for (int k = 0; k < n_e; ++k) {
-                    const float v = k == 0 ? e1[i] : e2[i];
-                    if (!std::isfinite(v)) {
-                        continue;
-                    }
-                    if (heap.size() < cap) {
-                        heap.push_back(v);
-                        std::push_heap(heap.begin(), heap.end(), more_extreme);
-                    } else if (more_extreme(v, heap.front())) {
-                        std::pop_heap(heap.begin(), heap.end(), more_extreme);
-                        heap.back() = v;
-                        std::push_heap(heap.begin(), heap.end(), more_extreme);
-                    }
-                }
-            }
-        }
-        // fewer candidates than cap: the least extreme of them all, as a selection over them gives
-        return heap.empty() ? 0.0f : heap.front();
-    }
-};
-}
-
 void llama_kvcomp_tracker::recompute(layer_state & l) {
-    // K per channel
-    size_t n = 0;
-    for (const auto & u : l.k_win) {
-        n += u.n;
-    }
-    if (n == 0) {
+    if (l.k_win.n_rows() == 0) {
         return;
     }
-    extreme_select sel;
-    std::vector<float> hi(l.n_embd_k), lo(l.n_embd_k);
-    if ((1.0 - KVCOMP_QUANTILE) * (double) n < 1.0) {
-        // the quantile is the extreme itself (a window of decode steps): one pass per update
-        // over every channel, which vectorizes, in place of a selection per channel
-        hi.assign(l.n_embd_k, -INFINITY);
-        lo.assign(l.n_embd_k, INFINITY);
-        for (const auto & u : l.k_win) {
-            if (u.n == 0) {
-                continue;
-            }
-            for (int64_t i = 0; i < l.n_embd_k; ++i) {
-                // an update's first value is its extreme: finite, or an infinity when it saw
-                // no finite value, which the comparisons and the test below leave out
-                hi[i] = std::max(hi[i], u.hi1[i]);
-                lo[i] = std::min(lo[i], u.lo1[i]);
-            }
-        }
-        for (int64_t i = 0; i < l.n_embd_k; ++i) {
-            hi[i] = std::isfinite(hi[i]) ? hi[i] : 0.0f;
-            lo[i] = std::isfinite(lo[i]) ? lo[i] : 0.0f;
-        }
-    } else {
-        for (int64_t i = 0; i < l.n_embd_k; ++i) {
-            hi[i] = sel.run<true>(l.k_win, i, i + 1, n);
-            lo[i] = sel.run<false>(l.k_win, i, i + 1, n);
-        }
-    }
-
-    // V per head, from its channels' extremes
+    std::vector<float> hi, lo, vhi_c, vlo_c;
+    l.k_win.quantiles(hi, lo);
+    // V per head: from the lowest of its channels' quantiles to the highest
+    l.v_win.quantiles(vhi_c, vlo_c);
     const int64_t n_head_v = l.n_embd_v / l.n_embd_head_v;
-    std::vector<float> vhi(n_head_v, 0.0f), vlo(n_head_v, 0.0f);
-    size_t nv = 0;
-    for (const auto & u : l.v_win) {
-        nv += u.n;
-    }
-    for (int64_t h = 0; h < n_head_v && nv > 0; ++h) {
+    std::vector<float> vhi(n_head_v), vlo(n_head_v);
+    for (int64_t h = 0; h < n_head_v; ++h) {
         const int64_t i0 = h * l.n_embd_head_v;
-        vhi[h] = sel.run<true>(l.v_win, i0, i0 + l.n_embd_head_v, nv * l.n_embd_head_v);
-        vlo[h] = sel.run<false>(l.v_win, i0, i0 + l.n_embd_head_v, nv * l.n_embd_head_v);
+        vhi[h] = *std::max_element(vhi_c.begin() + i0, vhi_c.begin() + i0 + l.n_embd_head_v);
+        vlo[h] = *std::min_element(vlo_c.begin() + i0, vlo_c.begin() + i0 + l.n_embd_head_v);
     }
 
     const auto smooth = [&](std::vector<float> & ema, const std::vector<float> & x) {
@@ -581,16 +428,16 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
                 continue;
             }
             counted = true;
-            fold(l.k_win, rows.data(), n_good, l.n_embd_k);
-            fold(l.v_win, vrows.data(), n_good, l.n_embd_v);
+            l.k_win.fold(n_updates, rows.data(), n_good);
+            l.v_win.fold(n_updates, vrows.data(), n_good);
             if (measure_now) {
                 measure(l, rows.data(), good_cells.data(), n_good);
             }
         }
         if (counted) {
             for (size_t ib : empty_layers) {
-                fold(layers[ib].k_win, nullptr, 0, layers[ib].n_embd_k);
-                fold(layers[ib].v_win, nullptr, 0, layers[ib].n_embd_v);
+                layers[ib].k_win.fold(n_updates, nullptr, 0);
+                layers[ib].v_win.fold(n_updates, nullptr, 0);
             }
             ++n_updates;
             if (n_updates % KVCOMP_RECOMPUTE == 0) {

@@ -13,6 +13,7 @@
 // (docs/design-tracker-modes.md, "Isolation").
 
 #include "kvcomp-storage.h"
+#include "kvcomp-window.h"
 #include "llama-kvcomp.h"
 #include "llama-kv-cache.h"
 #include "llama-kv-cells.h"
@@ -126,18 +127,13 @@ struct llama_kvcomp_tracker {
 private:
     // per channel, what one update contributed: the two largest and two
     // smallest values (enough for a 99.9th percentile over up to 1000 samples)
-    struct update_stats {
-        uint32_t n = 0;
-        std::vector<float> hi1, hi2, lo1, lo2;
-    };
-
     struct layer_state {
         ggml_tensor * k_main = nullptr;
         ggml_tensor * v_main = nullptr;
         int64_t n_embd_k = 0, n_embd_v = 0, n_embd_head_k = 0, n_embd_head_v = 0;
         float   alpha = 0.1f;
-        // window of the last updates (ring) and its smoothed values, K per channel, V per head
-        std::vector<update_stats> k_win, v_win;
+        // window of the last updates and its smoothed values, K per channel, V per head
+        kvcomp_window k_win, v_win;
         std::vector<float> k_hi, k_lo, v_hi, v_lo;
         bool    warm = false;
         std::vector<float> c; // offsets in use (host copy), n_embd_k per stream
@@ -161,7 +157,6 @@ private:
         llama_pos    p0     = 0;  // its first position
     };
 
-    void fold(std::vector<update_stats> & win, const float * rows, uint32_t n_rows, int64_t n_embd) const;
     void recompute(layer_state & l);
     // cells: the main row (stream * cells + cell) of each of the n_rows K rows
     void measure(layer_state & l, const float * k_rows, const uint64_t * cells, size_t n_rows);
