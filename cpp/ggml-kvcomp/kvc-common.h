@@ -12,6 +12,7 @@
 #include "kvc-transform.h"
 
 #include <assert.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -137,10 +138,39 @@ static inline int kvc_nearest(const kvc_codebook * cb, float v) {
 typedef void (*kvc_sub_errors_t)(const kvc_codebook * cb, const float * v, int n, const float * d, const float * id,
                                  int n_cand, float * err);
 
-// The low-bit quantizers (kvc5, kvc4, kvc3, kvc2) with the given error function (NULL: the
-// reference's); quantize_row_<t>_ref is this with NULL.
+// The step code nearest to a step of d (log domain), before clamping to the codes made.
+static inline int kvc_fp32_to_e8_unclamped(float d) {
+    return (int) lrintf(8.0f * log2f(d)) + 160;
+}
+
+// The step code matching a sub-block whose largest magnitude is amax (*e_max), and the
+// candidate codes of its search: from KVC_SEARCH_UP above it to KVC_SEARCH_DOWN below, in
+// that order, those in 1..KVC_E8_MAX.
+static inline int kvc_step_candidates(float amax, float top_level, int * e_max, int * cand) {
+    const int e = kvc_fp32_to_e8_unclamped(amax / top_level);
+    *e_max = e < 1 ? 1 : e > KVC_E8_MAX ? KVC_E8_MAX : e;
+    int n_cand = 0;
+    for (int c = *e_max + KVC_SEARCH_UP; c >= *e_max - KVC_SEARCH_DOWN; --c) {
+        if (c >= 1 && c <= KVC_E8_MAX) {
+            cand[n_cand++] = c;
+        }
+    }
+    return n_cand;
+}
+
+// Quantizes one sub-block of n values to codes of cb's levels and returns its step code: the
+// step search with the given error function. The reference (kvc_quantize_sub_ref) is this with
+// the scalar one.
+GGML_API uint8_t kvc_quantize_sub_search(const kvc_codebook * cb, const float * x, int n, uint8_t * codes,
+                                         kvc_sub_errors_t errors);
+GGML_API uint8_t kvc_quantize_sub_ref(const kvc_codebook * cb, const float * x, int n, uint8_t * codes);
+
+typedef uint8_t (*kvc_quantize_sub_t)(const kvc_codebook * cb, const float * x, int n, uint8_t * codes);
+
+// The low-bit quantizers (kvc5, kvc4, kvc3, kvc2) with the given sub-block quantizer, which
+// must write kvc_quantize_sub_ref's bytes; quantize_row_<t>_ref is this with the reference.
 GGML_API void kvc_quantize_row_lowbit(enum ggml_type type, const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k,
-                                      kvc_sub_errors_t errors);
+                                      kvc_quantize_sub_t quantize_sub);
 
 GGML_API void quantize_row_kvc8_ref(const float * GGML_RESTRICT x, block_kvc8 * GGML_RESTRICT y, int64_t k);
 GGML_API void quantize_row_kvc5_ref(const float * GGML_RESTRICT x, block_kvc5 * GGML_RESTRICT y, int64_t k);

@@ -63,24 +63,66 @@ static void kvc_sub_errors_avx2(const kvc_codebook * cb, const float * v, int n,
         memcpy(err + c0, e, m * sizeof(float));
     }
 }
+// the sub-block quantizer with the AVX2 step search
+static uint8_t kvc_quantize_sub_avx2(const kvc_codebook * cb, const float * x, int n, uint8_t * codes) {
+    return kvc_quantize_sub_search(cb, x, n, codes, kvc_sub_errors_avx2);
+}
+
 #if defined(__AVX512F__)
-// As kvc_sub_errors_avx2 with every candidate step in one vector of 16, and each level found
-// by halving the thresholds (sorted, so the same index as counting them): a quarter of the
-// instructions, where the step search was a sixth of a prompt's time over a kvc4 cache
-// (docs/results.md).
+// A sub-block of 16 values in one vector, with every candidate step in another: the step
+// search as kvc_sub_errors_avx2 with each level found by halving the thresholds (sorted, so
+// the same index as counting them), then the chosen step's codes the same way, the values
+// side by side. The search was a sixth of a prompt's time over a kvc4 cache, and the scalar
+// rest of the sub-block (the candidates' steps, the codes) as much again, the whole being
+// most of what a kvc cache's decode step adds to f16's on a small model (docs/results.md).
 static_assert(KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1 <= 16, "the candidate steps fit one vector");
+static_assert(QK_KVC_SUB == 16, "a sub-block is one vector");
+
+// the index of the level nearest to each lane of t: the thresholds below it, counted by halving
+static inline __m512i kvc_nearest16(__m512 t, __m512 mids, int n_bits) {
+    __m512i c = _mm512_setzero_si512();
+    for (int k = n_bits - 1; k >= 0; --k) {
+        // the threshold just below the upper half of what is left
+        const __m512i   at = _mm512_add_epi32(c, _mm512_set1_epi32((1 << k) - 1));
+        const __mmask16 gt = _mm512_cmp_ps_mask(t, _mm512_permutexvar_ps(at, mids), _CMP_GT_OQ);
+        c = _mm512_mask_add_epi32(c, gt, c, _mm512_set1_epi32(1 << k));
+    }
+    return c;
+}
+
 KVC_NO_FP_CONTRACT
-static void kvc_sub_errors_avx512(const kvc_codebook * cb, const float * v, int n, const float * d, const float * id,
-                                  int n_cand, float * err) {
+static uint8_t kvc_quantize_sub_avx512(const kvc_codebook * cb, const float * x, int n, uint8_t * codes) {
     KVC_NO_FP_CONTRACT_BODY
     int n_bits = 0;
     while ((1 << n_bits) < cb->n) {
         ++n_bits;
     }
-    if ((1 << n_bits) != cb->n || cb->n > 16) {
-        kvc_sub_errors_avx2(cb, v, n, d, id, n_cand, err);
-        return;
+    if (n != QK_KVC_SUB || (1 << n_bits) != cb->n || cb->n > 16) {
+        return kvc_quantize_sub_avx2(cb, x, n, codes);
     }
+    // the values, those that are not finite (all exponent bits set) zeroed
+    const __m512    xv  = _mm512_loadu_ps(x);
+    const __m512i   exp = _mm512_set1_epi32(0x7f800000);
+    const __mmask16 ok  = _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(xv), exp), exp);
+    const __m512    v   = _mm512_maskz_mov_ps(ok, xv);
+    const float     amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+    if (amax == 0.0f) {
+        memset(codes, cb->zero_code, n);
+        return 0;
+    }
+
+    int cand[16] = { 0 };
+    int e_max;
+    const int n_cand = kvc_step_candidates(amax, cb->levels[cb->n - 1], &e_max, cand);
+    // each candidate's step as kvc_e8_to_fp32 makes it, and its inverse (both correctly rounded)
+    static const float frac[8] = KVC_E8_FRAC;
+    const __mmask16 m  = (__mmask16) ((1u << n_cand) - 1);
+    const __m512i   ce = _mm512_maskz_loadu_epi32(m, cand);
+    const __m512    p2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_srli_epi32(ce, 3), _mm512_set1_epi32(107)), 23));
+    const __m512    fr = _mm512_permutexvar_ps(_mm512_and_si512(ce, _mm512_set1_epi32(7)), _mm512_castps256_ps512(_mm256_loadu_ps(frac)));
+    const __m512    vd  = _mm512_maskz_mul_ps(m, fr, p2);
+    const __m512    vid = _mm512_maskz_div_ps(m, _mm512_set1_ps(1.0f), vd);
+
     float lv[16] = { 0 }, mv[16] = { 0 };
     for (int j = 0; j < cb->n; ++j) {
         lv[j] = cb->levels[j];
@@ -88,50 +130,55 @@ static void kvc_sub_errors_avx512(const kvc_codebook * cb, const float * v, int 
     for (int j = 0; j + 1 < cb->n; ++j) {
         mv[j] = cb->mid[j];
     }
-    const __m512    levels = _mm512_loadu_ps(lv);
-    const __m512    mids   = _mm512_loadu_ps(mv);
-    const __mmask16 m      = (__mmask16) ((1u << n_cand) - 1);
-    const __m512    vd     = _mm512_maskz_loadu_ps(m, d);
-    const __m512    vid    = _mm512_maskz_loadu_ps(m, id);
+    const __m512 levels = _mm512_loadu_ps(lv);
+    const __m512 mids   = _mm512_loadu_ps(mv);
+    float vs[16];
+    _mm512_storeu_ps(vs, v);
     __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < n; ++i) {
-        const __m512 vi = _mm512_set1_ps(v[i]);
-        const __m512 t  = _mm512_mul_ps(vi, vid);
-        __m512i c = _mm512_setzero_si512();
-        for (int k = n_bits - 1; k >= 0; --k) {
-            // the threshold just below the upper half of what is left
-            const __m512i   step = _mm512_set1_epi32(1 << k);
-            const __m512i   at   = _mm512_add_epi32(c, _mm512_set1_epi32((1 << k) - 1));
-            const __mmask16 gt   = _mm512_cmp_ps_mask(t, _mm512_permutexvar_ps(at, mids), _CMP_GT_OQ);
-            c = _mm512_mask_add_epi32(c, gt, c, step);
-        }
-        const __m512 diff = _mm512_sub_ps(vi, _mm512_mul_ps(vd, _mm512_permutexvar_ps(c, levels)));
+    for (int i = 0; i < QK_KVC_SUB; ++i) {
+        const __m512  vi   = _mm512_set1_ps(vs[i]);
+        const __m512i c    = kvc_nearest16(_mm512_mul_ps(vi, vid), mids, n_bits);
+        const __m512  diff = _mm512_sub_ps(vi, _mm512_mul_ps(vd, _mm512_permutexvar_ps(c, levels)));
         acc = _mm512_add_ps(acc, _mm512_mul_ps(diff, diff));
     }
-    _mm512_mask_storeu_ps(err, m, acc);
+    float err[16];
+    _mm512_storeu_ps(err, acc);
+
+    // the first smallest error (every error infinite: the matching step)
+    int   best_e   = e_max;
+    float best_err = INFINITY;
+    for (int c = 0; c < n_cand; ++c) {
+        if (err[c] < best_err) {
+            best_err = err[c];
+            best_e   = cand[c];
+        }
+    }
+    const __m512  t = _mm512_mul_ps(v, _mm512_set1_ps(1.0f / kvc_e8_to_fp32((uint8_t) best_e)));
+    _mm_storeu_si128((__m128i *) codes, _mm512_cvtepi32_epi8(kvc_nearest16(t, mids, n_bits)));
+    return (uint8_t) best_e;
 }
-#define KVC_SUB_ERRORS kvc_sub_errors_avx512
+#define KVC_QUANTIZE_SUB kvc_quantize_sub_avx512
 #else
-#define KVC_SUB_ERRORS kvc_sub_errors_avx2
+#define KVC_QUANTIZE_SUB kvc_quantize_sub_avx2
 #endif
 #else
-#define KVC_SUB_ERRORS NULL
+#define KVC_QUANTIZE_SUB kvc_quantize_sub_ref
 #endif
 
 void quantize_row_kvc5(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
-    kvc_quantize_row_lowbit(GGML_TYPE_KVC5, x, y, k, KVC_SUB_ERRORS);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC5, x, y, k, KVC_QUANTIZE_SUB);
 }
 
 void quantize_row_kvc4(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
-    kvc_quantize_row_lowbit(GGML_TYPE_KVC4, x, y, k, KVC_SUB_ERRORS);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC4, x, y, k, KVC_QUANTIZE_SUB);
 }
 
 void quantize_row_kvc3(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
-    kvc_quantize_row_lowbit(GGML_TYPE_KVC3, x, y, k, KVC_SUB_ERRORS);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC3, x, y, k, KVC_QUANTIZE_SUB);
 }
 
 void quantize_row_kvc2(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
-    kvc_quantize_row_lowbit(GGML_TYPE_KVC2, x, y, k, KVC_SUB_ERRORS);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC2, x, y, k, KVC_QUANTIZE_SUB);
 }
 
 ggml_from_float_t ggml_kvc_cpu_get_from_float(enum ggml_type type) {

@@ -31,11 +31,6 @@ static inline int kvc_clamp127(int q) {
     return q < -127 ? -127 : q > 127 ? 127 : q;
 }
 
-static inline uint8_t kvc_fp32_to_e8(float d) {
-    const int e = (int) lrintf(8.0f * log2f(d)) + 160;
-    return (uint8_t) (e < 1 ? 1 : e > KVC_E8_MAX ? KVC_E8_MAX : e);
-}
-
 // Non-finite inputs are quantized as zero so they cannot poison the block's step or
 // any other block; they come back as the level nearest zero (exactly 0 for kvc8).
 static inline float kvc_finite_or_zero(float v) {
@@ -72,7 +67,7 @@ static void kvc_sub_errors_ref(const kvc_codebook * cb, const float * v, int n, 
 
 // Chooses the step of one sub-block by minimizing the squared error over a window of
 // 8-bit step codes, and writes the codes of the chosen step.
-static uint8_t kvc_quantize_sub(const kvc_codebook * cb, const float * x, int n, uint8_t * codes, kvc_sub_errors_t errors) {
+uint8_t kvc_quantize_sub_search(const kvc_codebook * cb, const float * x, int n, uint8_t * codes, kvc_sub_errors_t errors) {
     float v[QK_KVC_SUB];
     const float amax = kvc_finite_amax(x, v, n);
     if (amax == 0.0f) {
@@ -80,24 +75,19 @@ static uint8_t kvc_quantize_sub(const kvc_codebook * cb, const float * x, int n,
         return 0;
     }
 
-    const int e_max = kvc_fp32_to_e8(amax / cb->levels[cb->n - 1]);
-
     int   cand[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
     float d[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
     float id[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
     float err[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
-    int n_cand = 0;
-    for (int e = e_max + KVC_SEARCH_UP; e >= e_max - KVC_SEARCH_DOWN; --e) {
-        if (e < 1 || e > KVC_E8_MAX) {
-            continue;
-        }
-        cand[n_cand] = e;
-        d[n_cand]    = kvc_e8_to_fp32((uint8_t) e);
-        id[n_cand]   = 1.0f / d[n_cand];
-        ++n_cand;
+    int e_max;
+    const int n_cand = kvc_step_candidates(amax, cb->levels[cb->n - 1], &e_max, cand);
+    for (int c = 0; c < n_cand; ++c) {
+        d[c]  = kvc_e8_to_fp32((uint8_t) cand[c]);
+        id[c] = 1.0f / d[c];
     }
     errors(cb, v, n, d, id, n_cand, err);
 
+    // the first smallest error (every error infinite: the matching step)
     int   best_e   = e_max;
     float best_err = INFINITY;
     for (int c = 0; c < n_cand; ++c) {
@@ -112,6 +102,10 @@ static uint8_t kvc_quantize_sub(const kvc_codebook * cb, const float * x, int n,
         codes[i] = (uint8_t) kvc_nearest(cb, v[i] * id_best);
     }
     return (uint8_t) best_e;
+}
+
+uint8_t kvc_quantize_sub_ref(const kvc_codebook * cb, const float * x, int n, uint8_t * codes) {
+    return kvc_quantize_sub_search(cb, x, n, codes, kvc_sub_errors_ref);
 }
 
 // Packs the low two bits of 32 codes: value 8*g + j goes to byte j, bits 2*g.
@@ -202,7 +196,7 @@ static void kvc_pack_kvc2(const uint8_t codes[QK_KVC], void * block) {
 
 // Every low-bit block starts with its two step codes, followed by the packed codes.
 void kvc_quantize_row_lowbit(enum ggml_type type, const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k,
-                             kvc_sub_errors_t errors) {
+                             kvc_quantize_sub_t quantize_sub) {
     assert(k % QK_KVC == 0);
     kvc_codebook cb;
     size_t       block_size;
@@ -214,33 +208,30 @@ void kvc_quantize_row_lowbit(enum ggml_type type, const float * GGML_RESTRICT x,
         case GGML_TYPE_KVC2: kvc_codebook_init(&cb, kvalues_kvc2,  4); block_size = sizeof(block_kvc2); pack = kvc_pack_kvc2; break;
         default:             GGML_ABORT("kvc_quantize_row_lowbit: %s is not a low-bit kvc type", ggml_type_name(type));
     }
-    if (!errors) {
-        errors = kvc_sub_errors_ref;
-    }
 
     for (int64_t b = 0; b < k / QK_KVC; ++b) {
         uint8_t * block = (uint8_t *) y + b * block_size;
         uint8_t   codes[QK_KVC];
-        block[0] = kvc_quantize_sub(&cb, x + b * QK_KVC,              QK_KVC_SUB, codes, errors);
-        block[1] = kvc_quantize_sub(&cb, x + b * QK_KVC + QK_KVC_SUB, QK_KVC_SUB, codes + QK_KVC_SUB, errors);
+        block[0] = quantize_sub(&cb, x + b * QK_KVC,              QK_KVC_SUB, codes);
+        block[1] = quantize_sub(&cb, x + b * QK_KVC + QK_KVC_SUB, QK_KVC_SUB, codes + QK_KVC_SUB);
         pack(codes, block);
     }
 }
 
 void quantize_row_kvc5_ref(const float * GGML_RESTRICT x, block_kvc5 * GGML_RESTRICT y, int64_t k) {
-    kvc_quantize_row_lowbit(GGML_TYPE_KVC5, x, y, k, NULL);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC5, x, y, k, kvc_quantize_sub_ref);
 }
 
 void quantize_row_kvc4_ref(const float * GGML_RESTRICT x, block_kvc4 * GGML_RESTRICT y, int64_t k) {
-    kvc_quantize_row_lowbit(GGML_TYPE_KVC4, x, y, k, NULL);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC4, x, y, k, kvc_quantize_sub_ref);
 }
 
 void quantize_row_kvc3_ref(const float * GGML_RESTRICT x, block_kvc3 * GGML_RESTRICT y, int64_t k) {
-    kvc_quantize_row_lowbit(GGML_TYPE_KVC3, x, y, k, NULL);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC3, x, y, k, kvc_quantize_sub_ref);
 }
 
 void quantize_row_kvc2_ref(const float * GGML_RESTRICT x, block_kvc2 * GGML_RESTRICT y, int64_t k) {
-    kvc_quantize_row_lowbit(GGML_TYPE_KVC2, x, y, k, NULL);
+    kvc_quantize_row_lowbit(GGML_TYPE_KVC2, x, y, k, kvc_quantize_sub_ref);
 }
 
 void dequantize_row_kvc8(const block_kvc8 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
