@@ -196,6 +196,10 @@ void * ggml_kvc_cpu_get_proc_address(const char * name) {
         void * p;
     } fp16 = { ggml_cpu_fp16_to_fp32 };
     union {
+        ggml_kvc_cpu_get_to_float_t fn;
+        void * p;
+    } get_to = { ggml_kvc_cpu_get_to_float };
+    union {
         ggml_custom_op_t fn;
         void * p;
     } offset_rows = { ggml_kvc_cpu_offset_rows };
@@ -204,6 +208,9 @@ void * ggml_kvc_cpu_get_proc_address(const char * name) {
     }
     if (strcmp(name, "ggml_kvc_cpu_get_from_float") == 0) {
         return get.p;
+    }
+    if (strcmp(name, "ggml_kvc_cpu_get_to_float") == 0) {
+        return get_to.p;
     }
     if (strcmp(name, "ggml_cpu_fp16_to_fp32") == 0) {
         return fp16.p;

@@ -85,6 +85,8 @@ GGML_BACKEND_API void ggml_kvc_cpu_offset_rows(struct ggml_tensor * dst, int ith
 // through the registry: ggml_backend_reg_get_proc_address(cpu, "ggml_kvc_cpu_get_from_float").
 typedef ggml_from_float_t (*ggml_kvc_cpu_get_from_float_t)(enum ggml_type type);
 GGML_BACKEND_API ggml_from_float_t ggml_kvc_cpu_get_from_float(enum ggml_type type);
+// ggml_kvc_cpu_get_to_float (above) through the registry: "ggml_kvc_cpu_get_to_float"
+typedef ggml_to_float_t (*ggml_kvc_cpu_get_to_float_t)(enum ggml_type type);
 // ggml-cpu's get_proc_address asks here first: the entries above and ggml_cpu_fp16_to_fp32
 // (SIMD, where ggml-base's ggml_fp16_to_fp32_row is scalar) by name, else NULL.
 GGML_BACKEND_API void * ggml_kvc_cpu_get_proc_address(const char * name);

@@ -22,12 +22,12 @@ static uint32_t tap_stride(uint32_t n_tokens, uint32_t n_tap) {
 }
 
 static bool all_finite(const float * x, int64_t n) {
+    // x - x is 0 for a finite x only: no branch per value, so the loop vectorizes
+    bool ok = true;
     for (int64_t i = 0; i < n; ++i) {
-        if (!std::isfinite(x[i])) {
-            return false;
-        }
+        ok &= x[i] - x[i] == 0.0f;
     }
-    return true;
+    return ok;
 }
 
 // the trackers alive, by the K tensor of each cache layer they sample (of_layer)
@@ -68,6 +68,13 @@ static ggml_from_float_t k_quantizer(ggml_type type) {
     return q ? q : ggml_get_type_traits(type)->from_float_ref;
 }
 
+// the rows read back each update: the CPU backend's dequantizer (SIMD, the same floats)
+static ggml_to_float_t dequantizer(ggml_type type) {
+    const auto get = (ggml_kvc_cpu_get_to_float_t) llama_kvcomp_cpu_proc("ggml_kvc_cpu_get_to_float");
+    ggml_to_float_t f = get ? get(type) : nullptr;
+    return f ? f : ggml_get_type_traits(type)->to_float;
+}
+
 llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params,
                                            uint32_t n_stream, uint32_t n_ubatch)
     : params(params), n_stream(n_stream) {
@@ -94,6 +101,8 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
         l.k_energy_head.assign(l.n_embd_k / l.n_embd_head_k, 0.0);
         l.c.assign((size_t) n_stream * l.n_embd_k, 0.0f);
         l.k_quantize = k_quantizer(kl.k->type);
+        l.k_to_float = dequantizer(kl.k->type);
+        l.v_to_float = dequantizer(kl.v->type);
         store.push_back(ggml_new_tensor_2d(storage.ctx_for(ggml_backend_buffer_get_type(kl.k->buffer), n_tensors), GGML_TYPE_F32,
                                            l.n_embd_k, n_store_rows()));
         ggml_format_name(store.back(), "kvcomp_store_l%u", kl.il);
@@ -272,20 +281,21 @@ void llama_kvcomp_tracker::recompute(layer_state & l) {
 
 void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, const uint64_t * cells, size_t n_rows) {
     const ggml_tensor * k_main = l.k_main;
-    const auto * tt = ggml_get_type_traits(k_main->type);
-    const int64_t n = l.n_embd_k;
-    const int64_t n_head = n / l.n_embd_head_k;
+    const int64_t n  = l.n_embd_k;
+    const int64_t hd = l.n_embd_head_k;
+    const int64_t n_head = n / hd;
     std::vector<uint8_t> q(k_main->nb[1]);
     std::vector<float> x(n), y(n);
-    std::vector<double> e_head(n_head);
+    // per head: the squared error as the row came (pass 0) and as stored (1)
+    std::vector<double> e_head[2] = { std::vector<double>(n_head), std::vector<double>(n_head) };
     const uint64_t n_cells = (uint64_t) ggml_nrows(k_main) / n_stream; // ([n_embd, cells, streams])
     for (size_t r = 0; r < n_rows; ++r) {
         const float * raw = k_rows + r * n;
         const float * c   = l.c.data() + (cells[r] / n_cells) * n;
-        // pass 0: as the row came; 1: as stored (its stream's offset removed)
+        // a stream whose offset is not set stores the row as it came: one quantization
+        const bool has_c = std::any_of(c, c + n, [](float v) { return v != 0.0f; });
         double e[2] = { 0.0, 0.0 };
-        std::fill(e_head.begin(), e_head.end(), 0.0);
-        for (int pass = 0; pass < 2; ++pass) {
+        for (int pass = 0; pass < (has_c ? 2 : 1); ++pass) {
             for (int64_t i = 0; i < n; ++i) {
                 x[i] = raw[i] - (pass ? c[i] : 0.0f);
             }
@@ -293,15 +303,22 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, const 
                 y = x;
             } else {
                 l.k_quantize(x.data(), q.data(), n);
-                tt->to_float(q.data(), y.data(), n);
+                l.k_to_float(q.data(), y.data(), n);
             }
-            for (int64_t i = 0; i < n; ++i) {
-                const double d = (double) (x[i] - y[i]);
-                e[pass] += d * d;
-                if (pass == 1) {
-                    e_head[i / l.n_embd_head_k] += d * d;
+            // head by head: an index divided per value cost more than the quantization
+            for (int64_t h = 0; h < n_head; ++h) {
+                double eh = 0.0;
+                for (int64_t i = h * hd; i < (h + 1) * hd; ++i) {
+                    const double d = (double) (x[i] - y[i]);
+                    eh += d * d;
                 }
+                e_head[pass][h] = eh;
+                e[pass] += eh;
             }
+        }
+        if (!has_c) {
+            e[1] = e[0];
+            e_head[1] = e_head[0];
         }
         // the row is finite (update() checked), the offset it is stored under may not be
         if (!std::isfinite(e[0]) || !std::isfinite(e[1])) {
@@ -311,11 +328,13 @@ void llama_kvcomp_tracker::measure(layer_state & l, const float * k_rows, const 
         l.k_err_plain += e[0];
         l.k_err       += e[1];
         for (int64_t h = 0; h < n_head; ++h) {
-            l.k_err_head[h] += e_head[h];
-        }
-        for (int64_t i = 0; i < n; ++i) {
-            l.k_energy += (double) raw[i] * raw[i];
-            l.k_energy_head[i / l.n_embd_head_k] += (double) raw[i] * raw[i];
+            double eh = 0.0;
+            for (int64_t i = h * hd; i < (h + 1) * hd; ++i) {
+                eh += (double) raw[i] * raw[i];
+            }
+            l.k_err_head[h]    += e_head[1][h];
+            l.k_energy_head[h] += eh;
+            l.k_energy         += eh;
         }
         ++l.n_rows_measured;
     }
@@ -400,7 +419,7 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
                 if (v->type == GGML_TYPE_F32) {
                     std::memcpy(vrows.data() + (size_t) r * l.n_embd_v, raw.data(), v->nb[1]);
                 } else {
-                    ggml_get_type_traits(v->type)->to_float(raw.data(), vrows.data() + (size_t) r * l.n_embd_v, l.n_embd_v);
+                    l.v_to_float(raw.data(), vrows.data() + (size_t) r * l.n_embd_v, l.n_embd_v);
                 }
             }
 

@@ -138,6 +138,8 @@ private:
         bool    warm = false;
         std::vector<float> c; // offsets in use (host copy), n_embd_k per stream
         ggml_from_float_t k_quantize = nullptr; // k_main's quantizer (measure)
+        ggml_to_float_t   k_to_float = nullptr; // its dequantizer, and v_main's (update)
+        ggml_to_float_t   v_to_float = nullptr;
         // running round-trip error sums of the sampled K rows: as stored (offset removed) and
         // as they came; and the rows' energy
         double  k_err = 0.0, k_err_plain = 0.0, k_energy = 0.0;
