@@ -172,6 +172,12 @@ def file_stats(path: Path, pairs: np.ndarray) -> dict[tuple[int, int], PairStats
     return out
 
 
+def uncovered(stats: dict[tuple[int, int], PairStats], n_layer: int, n_kv: int) -> list[tuple[int, int]]:
+    """The (layer, KV head) of a model's rows that a statistics file has nothing for: their plans
+    would otherwise be fitted to the rows, silently."""
+    return [(il, h) for il in range(n_layer) for h in range(n_kv) if (il, h) not in stats]
+
+
 def kvct_round_trip(rows: np.ndarray, st: PairStats, pairs: np.ndarray, space: str, row_bits: int) -> np.ndarray:
     """The C reference of the transform-coded row (libggml-base's kvc_t_*): a plan fitted to
     the statistics, then every row coded and decoded."""
@@ -314,6 +320,10 @@ def main() -> None:
     q = load(args.prefix, "qpost", n_q, meta)
     pairs = rope_pairs(kpre, kpost)
     shipped = file_stats(args.kstats, pairs) if args.kstats else {}
+    missing = uncovered(shipped, meta["n_layer"], n_kv) if args.kstats else []
+    if missing:
+        p.error(f"{args.kstats} has no statistics for {len(missing)} (layer, KV head) of the rows' model, "
+                f"first {missing[0]}: is it the same model's file?")
     print("| K coded | bpe (scale included) | calibration rows | query-weighted gain over kvc4 "
           "| K error gain over kvc4 |")
     print("|---|---:|---:|---|---|")

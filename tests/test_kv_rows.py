@@ -184,6 +184,9 @@ def test_shipped_plans_are_read_from_the_statistics_file(bins: Path, tmp_path: P
     w.close()
     st = proto.file_stats(tmp_path / "k.gguf", pairs)
     assert sorted(st) == [(3, h) for h in range(n_kv)]
+    # rows of a model with more layers or heads than the file are refused, not fitted to
+    assert proto.uncovered(st, 4, n_kv) == [(il, h) for il in range(3) for h in range(n_kv)]
+    assert proto.uncovered(st, 4, n_kv + 1)[-1] == (3, n_kv)
     h = n_kv - 1
     s = st[(3, h)]
     np.testing.assert_array_equal(s.mean[pairs[:, 0]], x[h, :, 0])
