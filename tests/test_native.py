@@ -24,7 +24,8 @@ MODELS: dict[str, tuple[str, list[str], bool]] = {
 
 
 @pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-transform", "test-kvc-kvct",
-                                  "test-kvc-window", "test-kvc-llama", "test-kvc-fuzz", "test-kvc-state", "test-kvc-plans"])
+                                  "test-kvc-window", "test-kvc-llama", "test-kvc-fuzz", "test-kvc-state",
+                                  "test-kvc-plans"])
 def test_cpp(bins: Path, name: str, tmp_path: Path) -> None:
     args = [str(bins / name)]
     if name in MODELS:

@@ -115,7 +115,7 @@ static void kvc_t_vbmi_init(kvc_t_decoder * dec) {
 static void kvc_t_avx2_init(kvc_t_decoder * dec) {
     const kvc_t_plan * plan = dec->plan;
     memset(dec->av_mag, 0, sizeof(dec->av_mag));
-    for (int b = 1; b <= 4; ++b) {
+    for (int b = 1; b <= 5; ++b) {
         const int h = 1 << (b - 1);
         for (int k = 0; k < h; ++k) {
             dec->av_mag[h - 1 + k] = kvc_t_levels_of(b)[h + k];
@@ -130,11 +130,12 @@ static void kvc_t_avx2_init(kvc_t_decoder * dec) {
             dec->av_ctrl[4 * c + i] = (uint8_t) (dec->boff[c] - w0 + i);
         }
         dec->av_top[c]  = b > 0 ? 1 << (b - 1) : 0;
-        dec->av_moff[c] = b > 0 && b <= 4 ? (1 << (b - 1)) - 1 : 0;
+        dec->av_moff[c] = b > 0 && b <= 5 ? (1 << (b - 1)) - 1 : 0;
         if (c % 8 == 0) {
-            dec->av_small[c / 8] = true;
+            dec->av_wide[c / 8] = 0;
         }
-        dec->av_small[c / 8] = dec->av_small[c / 8] && b <= 4;
+        const uint8_t wide = b <= 4 ? 0 : b == 5 ? 1 : 2;
+        dec->av_wide[c / 8] = wide > dec->av_wide[c / 8] ? wide : dec->av_wide[c / 8];
     }
 }
 #endif
@@ -312,16 +313,23 @@ KVC_T_INLINE __m256 kvc_t_avx2_coefs8(const kvc_t_decoder * dec, const float * l
     const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(wds, _mm256_loadu_si256((const __m256i *) (dec->shift + c))),
                                           _mm256_loadu_si256((const __m256i *) (dec->mask + c)));
     __m256 l;
-    if (dec->av_small[c / 8]) {
+    if (dec->av_wide[c / 8] < 2) {
         // a level in the upper half is +magnitude[code - top], one in the lower -magnitude[top - 1 - code]
         const __m256i top = _mm256_loadu_si256((const __m256i *) (dec->av_top + c));
         const __m256i low = _mm256_sub_epi32(top, _mm256_set1_epi32(1));
         const __m256i up  = _mm256_cmpeq_epi32(_mm256_and_si256(code, top), top);
         const __m256i k   = _mm256_and_si256(_mm256_blendv_epi8(_mm256_xor_si256(code, low), code, up), low);
         const __m256i idx = _mm256_add_epi32(k, _mm256_loadu_si256((const __m256i *) (dec->av_moff + c)));
-        const __m256  mag = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag), idx),
-                                             _mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag + 8), idx),
-                                             _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+        // the magnitude among 8 by the index's low 3 bits, among 16 by its bit 3, 31 by its bit 4
+        __m256 mag = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag), idx),
+                                      _mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag + 8), idx),
+                                      _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+        if (dec->av_wide[c / 8] == 1) {
+            const __m256 mag5 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag + 16), idx),
+                                                 _mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag + 24), idx),
+                                                 _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+            mag = _mm256_blendv_ps(mag, mag5, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 27)));
+        }
         l = _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_andnot_si256(up, _mm256_set1_epi32(INT32_MIN))));
     } else {
         int32_t i[8];

@@ -50,14 +50,15 @@ typedef struct {
     // The AVX2 decoder (filled where it is built): 8 coefficients at a time, each one's 4 bytes
     // picked by a byte shuffle (av_ctrl) from a 16-byte window of the row at av_win (one for
     // coefficients 8 g .. 8 g + 3, one for the next 4), then shifted and masked as above. In a
-    // group whose coefficients have at most 4 bits (av_small) the sign is the code's top bit
-    // (av_top) and the magnitude comes from the 15 of 1-4 bits (av_mag, b's from av_moff) in
-    // registers; other groups read their levels one at a time.
+    // group whose coefficients have at most 5 bits (av_wide 0 or 1) the sign is the code's top
+    // bit (av_top) and the magnitude comes from the 31 of 1-5 bits (av_mag, b's from av_moff)
+    // in registers, two of them when the group has at most 4 bits (av_wide 0); groups with
+    // wider coefficients (av_wide 2) read their levels one at a time.
     int32_t av_win[KVC_T_MAX_D / 4];
     uint8_t av_ctrl[4 * KVC_T_MAX_D];
     int32_t av_top[KVC_T_MAX_D], av_moff[KVC_T_MAX_D];
-    bool    av_small[KVC_T_MAX_D / 8];
-    float   av_mag[16];
+    uint8_t av_wide[KVC_T_MAX_D / 8];
+    float   av_mag[32];
 } kvc_t_decoder;
 
 void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan);

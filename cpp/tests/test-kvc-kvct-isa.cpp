@@ -47,13 +47,23 @@ kvc_t_plan make_plan(int d, bool neox, bool steep, kvc_t_basis basis, ggml_type 
     return plan;
 }
 
-void test_decoder(report & rep, int d, bool neox, bool steep) {
+// groups of 8 coefficients by their widest one: at most 4 bits, 5, more (the AVX2 decoder's
+// three paths), over every decoder test's plan
+int64_t n_groups_by_width[3] = { 0, 0, 0 };
+
+void test_decoder(report & rep, int d, bool neox, bool steep, ggml_type type) {
     const int n = 3000;
     static kvc_t_plan plan, pooled;
     static kvc_t_decoder dec, dec_pooled;
     static kvc_t_rope_steps steps;
-    plan   = make_plan(d, neox, steep, KVC_T_BASIS_PAIR_AXES);
-    pooled = make_plan(d, neox, steep, KVC_T_BASIS_POOLED);
+    plan   = make_plan(d, neox, steep, KVC_T_BASIS_PAIR_AXES, type);
+    pooled = make_plan(d, neox, steep, KVC_T_BASIS_POOLED, type);
+    for (const kvc_t_plan * pl : { &plan, &pooled }) {
+        for (int c0 = 0; c0 < d; c0 += 8) {
+            const int w = *std::max_element(pl->bits + c0, pl->bits + c0 + 8);
+            ++n_groups_by_width[w <= 4 ? 0 : w == 5 ? 1 : 2];
+        }
+    }
     kvc_t_decoder_init(&dec, &plan);
     kvc_t_decoder_init(&dec_pooled, &pooled);
     kvc_t_rope rope;
@@ -103,7 +113,8 @@ void test_decoder(report & rep, int d, bool neox, bool steep) {
         memcpy(&rows_pooled[r * rb], row.data(), rb);
         memcpy(&plain[(size_t) r * d], z.data(), d * sizeof(float));
     }
-    const char * name = neox ? "neox" : "normal";
+    char name[64];
+    snprintf(name, sizeof(name), "%s %s", neox ? "neox" : "normal", ggml_type_name(type));
     rep.check(e2 / n2 <= 1e-10, "%s: d=%3d %s%s rows before RoPE, turned, vs reference: nmse %.2e <= 1e-10", KVC_ISA, d, name,
               steep ? " steep" : "", e2 / n2);
     rep.check(same, "%s: d=%3d %s%s rows after RoPE equal dequantize_row_kvct bit for bit", KVC_ISA, d, name, steep ? " steep" : "");
@@ -199,12 +210,17 @@ int main() {
     for (int d : { 64, 128, 192, 256 }) {
         for (bool neox : { false, true }) {
             for (bool steep : { false, true }) {
-                test_decoder(rep, d, neox, steep);
+                for (ggml_type t : { GGML_TYPE_KVCT4, GGML_TYPE_KVCT5 }) {
+                    test_decoder(rep, d, neox, steep, t);
+                }
                 for (ggml_type t : { GGML_TYPE_KVCT5, GGML_TYPE_KVCT4, GGML_TYPE_KVCT3, GGML_TYPE_KVCT2 }) {
                     test_coder(rep, d, neox, steep, t);
                 }
             }
         }
     }
+    rep.check(n_groups_by_width[0] > 0 && n_groups_by_width[1] > 0 && n_groups_by_width[2] > 0,
+        "the decoder's plans hold groups of 8 whose widest coefficient has <= 4 bits (%lld), 5 (%lld) and more (%lld)",
+        (long long) n_groups_by_width[0], (long long) n_groups_by_width[1], (long long) n_groups_by_width[2]);
     return rep.finish("test-kvc-kvct-isa");
 }
