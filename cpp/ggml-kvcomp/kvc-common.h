@@ -13,6 +13,7 @@
 
 #include <assert.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -100,12 +101,21 @@ static inline float kvc_e8_to_fp32(uint8_t e) {
     return e ? frac[e & 7] * p.f : 0.0f;
 }
 
+// Values scaled to the levels' range fall in KVC_BUCKETS buckets of width KVC_BUCKET_W,
+// [-128, 128) split evenly, the outer two open to the side: a bucket holding at most one
+// threshold finds a value's level with one comparison (the SIMD quantizers).
+#define KVC_BUCKETS  32
+#define KVC_BUCKET_W 8.0f
+
 // A low-bit type's levels and the decision thresholds between neighbours.
 typedef struct {
     const int8_t * levels;
     int            n;
     float          mid[31];   // decision thresholds between neighbouring levels
     int            zero_code; // code of the level with the smallest magnitude
+    // per bucket, the thresholds below its lower end; valid when no bucket holds two
+    int32_t        below[KVC_BUCKETS];
+    bool           bucketed;
 } kvc_codebook;
 
 // Index of the level nearest to v (ties go down). A branch-free count of the thresholds

@@ -90,6 +90,23 @@ static inline __m512i kvc_nearest16(__m512 t, __m512 mids, int n_bits) {
     return c;
 }
 
+// The same index by the lane's bucket (cb->bucketed): the thresholds below the bucket
+// (below_lo, below_hi: its 32 counts) plus one if the lane passes the next threshold up, the
+// bucket's own if it has one (mids_inf: the thresholds, +inf past the last). Nine operations
+// where the halving takes 16 for 16 levels.
+static inline __m512i kvc_nearest16_bucketed(__m512 t, __m512i below_lo, __m512i below_hi, __m512 mids_inf) {
+    // t / KVC_BUCKET_W exactly (a power of two), held to the outer buckets before its floor
+    const __m512    tb = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.0f / KVC_BUCKET_W)),
+                                                      _mm512_set1_ps(-KVC_BUCKETS / 2)),
+                                       _mm512_set1_ps(KVC_BUCKETS / 2 - 0.5f));
+    const __m512i   b  = _mm512_add_epi32(_mm512_cvt_roundps_epi32(tb, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                          _mm512_set1_epi32(KVC_BUCKETS / 2));
+    const __m512i   j  = _mm512_permutex2var_epi32(below_lo, b, below_hi);
+    const __mmask16 gt = _mm512_cmp_ps_mask(t, _mm512_permutexvar_ps(j, mids_inf), _CMP_GT_OQ);
+    return _mm512_mask_add_epi32(j, gt, j, _mm512_set1_epi32(1));
+}
+static_assert(KVC_BUCKETS == 32, "the bucket counts fill two vectors");
+
 KVC_NO_FP_CONTRACT
 static uint8_t kvc_quantize_sub_avx512(const kvc_codebook * cb, const float * x, int n, uint8_t * codes) {
     KVC_NO_FP_CONTRACT_BODY
@@ -132,12 +149,16 @@ static uint8_t kvc_quantize_sub_avx512(const kvc_codebook * cb, const float * x,
     }
     const __m512 levels = _mm512_loadu_ps(lv);
     const __m512 mids   = _mm512_loadu_ps(mv);
+    const __m512 mids_inf = _mm512_mask_mov_ps(mids, (__mmask16) (0xffffu << (cb->n - 1)), _mm512_set1_ps(INFINITY));
+    const __m512i below_lo = _mm512_loadu_si512((const void *) cb->below);
+    const __m512i below_hi = _mm512_loadu_si512((const void *) (cb->below + 16));
     float vs[16];
     _mm512_storeu_ps(vs, v);
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < QK_KVC_SUB; ++i) {
         const __m512  vi   = _mm512_set1_ps(vs[i]);
-        const __m512i c    = kvc_nearest16(_mm512_mul_ps(vi, vid), mids, n_bits);
+        const __m512  t    = _mm512_mul_ps(vi, vid);
+        const __m512i c    = cb->bucketed ? kvc_nearest16_bucketed(t, below_lo, below_hi, mids_inf) : kvc_nearest16(t, mids, n_bits);
         const __m512  diff = _mm512_sub_ps(vi, _mm512_mul_ps(vd, _mm512_permutexvar_ps(c, levels)));
         acc = _mm512_add_ps(acc, _mm512_mul_ps(diff, diff));
     }
@@ -154,7 +175,8 @@ static uint8_t kvc_quantize_sub_avx512(const kvc_codebook * cb, const float * x,
         }
     }
     const __m512  t = _mm512_mul_ps(v, _mm512_set1_ps(1.0f / kvc_e8_to_fp32((uint8_t) best_e)));
-    _mm_storeu_si128((__m128i *) codes, _mm512_cvtepi32_epi8(kvc_nearest16(t, mids, n_bits)));
+    const __m512i c = cb->bucketed ? kvc_nearest16_bucketed(t, below_lo, below_hi, mids_inf) : kvc_nearest16(t, mids, n_bits);
+    _mm_storeu_si128((__m128i *) codes, _mm512_cvtepi32_epi8(c));
     return (uint8_t) best_e;
 }
 #define KVC_QUANTIZE_SUB kvc_quantize_sub_avx512

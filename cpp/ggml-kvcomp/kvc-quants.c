@@ -18,6 +18,18 @@ static void kvc_codebook_init(kvc_codebook * cb, const int8_t * levels, int n) {
     for (int i = 0; i + 1 < n; ++i) {
         cb->mid[i] = 0.5f * (levels[i] + levels[i + 1]);
     }
+    cb->bucketed = true;
+    for (int b = 0; b < KVC_BUCKETS; ++b) {
+        const float lo = b == 0 ? -INFINITY : KVC_BUCKET_W * (float) (b - KVC_BUCKETS / 2);
+        const float hi = b == KVC_BUCKETS - 1 ? INFINITY : KVC_BUCKET_W * (float) (b + 1 - KVC_BUCKETS / 2);
+        int below = 0, in = 0;
+        for (int i = 0; i + 1 < n; ++i) {
+            below += cb->mid[i] < lo;
+            in    += cb->mid[i] >= lo && cb->mid[i] < hi;
+        }
+        cb->below[b]  = below;
+        cb->bucketed &= in <= 1;
+    }
 }
 
 // Round to nearest (ties to even) for |v| < 2^22 without a libm call: the base library is
