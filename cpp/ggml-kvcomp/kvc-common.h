@@ -168,6 +168,19 @@ static inline int kvc_step_candidates(float amax, float top_level, int * e_max, 
     return n_cand;
 }
 
+// The candidate with the first smallest error (every error infinite: the matching step e_max).
+static inline int kvc_best_step(const float * err, const int * cand, int n_cand, int e_max) {
+    int   best_e   = e_max;
+    float best_err = INFINITY;
+    for (int c = 0; c < n_cand; ++c) {
+        if (err[c] < best_err) {
+            best_err = err[c];
+            best_e   = cand[c];
+        }
+    }
+    return best_e;
+}
+
 // Quantizes one sub-block of n values to codes of cb's levels and returns its step code: the
 // step search with the given error function. The reference (kvc_quantize_sub_ref) is this with
 // the scalar one.

@@ -165,15 +165,7 @@ static uint8_t kvc_quantize_sub_avx512(const kvc_codebook * cb, const float * x,
     float err[16];
     _mm512_storeu_ps(err, acc);
 
-    // the first smallest error (every error infinite: the matching step)
-    int   best_e   = e_max;
-    float best_err = INFINITY;
-    for (int c = 0; c < n_cand; ++c) {
-        if (err[c] < best_err) {
-            best_err = err[c];
-            best_e   = cand[c];
-        }
-    }
+    const int best_e = kvc_best_step(err, cand, n_cand, e_max);
     const __m512  t = _mm512_mul_ps(v, _mm512_set1_ps(1.0f / kvc_e8_to_fp32((uint8_t) best_e)));
     const __m512i c = cb->bucketed ? kvc_nearest16_bucketed(t, below_lo, below_hi, mids_inf) : kvc_nearest16(t, mids, n_bits);
     _mm_storeu_si128((__m128i *) codes, _mm512_cvtepi32_epi8(c));

@@ -99,15 +99,7 @@ uint8_t kvc_quantize_sub_search(const kvc_codebook * cb, const float * x, int n,
     }
     errors(cb, v, n, d, id, n_cand, err);
 
-    // the first smallest error (every error infinite: the matching step)
-    int   best_e   = e_max;
-    float best_err = INFINITY;
-    for (int c = 0; c < n_cand; ++c) {
-        if (err[c] < best_err) {
-            best_err = err[c];
-            best_e   = cand[c];
-        }
-    }
+    const int best_e = kvc_best_step(err, cand, n_cand, e_max);
 
     const float id_best = 1.0f / kvc_e8_to_fp32((uint8_t) best_e);
     for (int i = 0; i < n; ++i) {
