@@ -35,11 +35,14 @@ def test_cpp(bins: Path, name: str, tmp_path: Path) -> None:
     _check(subprocess.run(args, capture_output=True, text=True, timeout=1200, cwd=tmp_path))
 
 
-@pytest.mark.parametrize("isa", ["x86-64", "avx2", "avx512", "avx512vbmi"])
-def test_kvct_decoder_isa(bins: Path, isa: str) -> None:
-    """kvct's CPU row decoder built at each x86 level (test-kvc-kvct-isa.cpp), so that the
-    portable decoder is tested on a machine whose own build takes the VBMI one."""
-    exe = bins / f"test-kvc-kvct-isa-{isa}"
+@pytest.mark.parametrize(("test", "isa"), [("kvct", "x86-64"), ("kvct", "avx2"), ("kvct", "avx512"),
+                                           ("kvct", "avx512vbmi"), ("quants", "x86-64"), ("quants", "avx2"),
+                                           ("quants", "avx512")])
+def test_cpu_paths_isa(bins: Path, test: str, isa: str) -> None:
+    """kvct's CPU row decoder and coder (test-kvc-kvct-isa.cpp) and the kvc quantizers' search
+    (test-kvc-quants-isa.cpp) built at each x86 level, so that the portable and AVX2 paths
+    are tested on a machine whose own build takes the AVX-512 ones."""
+    exe = bins / f"test-kvc-{test}-isa-{isa}"
     if not exe.exists():
         pytest.skip("built on x86 with GCC or Clang only")
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)

@@ -8,7 +8,7 @@
 //   product of the dequantized operands
 // - row dequantization: the CPU's SIMD path equals the scalar reference bit for bit
 
-#include "kvc-test-util.h"
+#include "kvc-test-quants.h"
 #include "kvc-cpu.h"
 #include "ggml-cpu.h"
 
@@ -176,23 +176,9 @@ void test_vec_dot_multi(report & rep, ggml_type type, ggml_vec_dot_t generic, in
     }
 }
 
-// The CPU quantizer (SIMD step search where the build has it) writes the reference's bytes:
-// every distribution, zero and non-finite values, magnitudes near both ends of the step codes.
+// The CPU quantizer (SIMD step search where the build has it) writes the reference's bytes.
 void test_cpu_from_float(report & rep, ggml_type type) {
-    std::vector<float> x;
-    for (dist d : { dist::gaussian, dist::student_t3, dist::outlier_channels }) {
-        const auto r = make_rows(d, 64, N, 123 + (uint32_t) d);
-        x.insert(x.end(), r.begin(), r.end());
-    }
-    const size_t n_base = x.size();
-    for (float scale : { 1e-6f, 3e-5f, 40.0f, 3000.0f }) {
-        for (size_t i = 0; i < (size_t) 4 * N; ++i) {
-            x.push_back(x[i] * scale);
-        }
-    }
-    x[n_base + 3] = NAN;
-    x[n_base + 70] = INFINITY;
-    std::fill(x.begin() + 5 * N, x.begin() + 5 * N + 16, 0.0f);
+    const std::vector<float> x = quantizer_inputs(N);
     std::vector<uint8_t> ref(ggml_row_size(type, (int64_t) x.size()));
     std::vector<uint8_t> cpu(ref.size(), 0xAA);
     ggml_get_type_traits(type)->from_float_ref(x.data(), ref.data(), (int64_t) x.size());
