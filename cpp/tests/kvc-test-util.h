@@ -47,6 +47,18 @@ inline std::vector<float> make_rows(dist d, int n_rows, int n, uint32_t seed) {
     return x;
 }
 
+// Whether this CPU runs code built for ISA test level `level` (0 portable, 1 AVX2, 2 AVX-512,
+// 3 AVX-512 VBMI); a test built for a level it lacks exits 77 (skipped).
+inline bool cpu_has_isa_level(int level) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __builtin_cpu_init();
+    return level == 0 || (level == 1 && __builtin_cpu_supports("avx2")) ||
+           (level == 2 && __builtin_cpu_supports("avx512f")) || (level == 3 && __builtin_cpu_supports("avx512vbmi"));
+#else
+    return level == 0;
+#endif
+}
+
 // Normalized mean squared error: sum (a - b)^2 / sum b^2, b being the reference.
 inline double nmse(const float * a, const float * b, size_t n) {
     double num = 0.0;

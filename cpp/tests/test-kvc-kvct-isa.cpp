@@ -196,16 +196,10 @@ void test_coder(report & rep, int d, bool neox, bool steep, ggml_type type) {
 } // namespace
 
 int main() {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-    __builtin_cpu_init();
-    const bool can = KVC_ISA_LEVEL == 0 || (KVC_ISA_LEVEL == 1 && __builtin_cpu_supports("avx2")) ||
-                     (KVC_ISA_LEVEL == 2 && __builtin_cpu_supports("avx512f")) ||
-                     (KVC_ISA_LEVEL == 3 && __builtin_cpu_supports("avx512vbmi"));
-    if (!can) {
+    if (!cpu_has_isa_level(KVC_ISA_LEVEL)) {
         printf("test-kvc-kvct-isa: %s cannot run on this CPU, skipped\n", KVC_ISA);
         return 77;
     }
-#endif
     report rep;
     for (int d : { 64, 128, 192, 256 }) {
         for (bool neox : { false, true }) {

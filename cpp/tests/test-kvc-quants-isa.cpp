@@ -10,14 +10,10 @@
 using namespace kvc_test;
 
 int main() {
-#if defined(__x86_64__) || defined(_M_X64)
-    const bool can = KVC_ISA_LEVEL == 0 || (KVC_ISA_LEVEL == 1 && __builtin_cpu_supports("avx2")) ||
-                     (KVC_ISA_LEVEL == 2 && __builtin_cpu_supports("avx512f"));
-    if (!can) {
+    if (!cpu_has_isa_level(KVC_ISA_LEVEL)) {
         printf("test-kvc-quants-isa: %s cannot run on this CPU, skipped\n", KVC_ISA);
         return 77;
     }
-#endif
     report rep;
     const kvc_quantize_sub_t sub = kvc_cpu_quantize_sub();
     rep.check((sub == kvc_quantize_sub_ref) == (KVC_ISA_LEVEL == 0),
