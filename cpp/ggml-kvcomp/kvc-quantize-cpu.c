@@ -13,6 +13,16 @@
 #endif
 
 #if defined(KVC_AVX2)
+// the index of the level nearest to each lane of t: the thresholds below it, counted (by
+// buckets as AVX-512 does, kvc4's search measured 4% faster on Zen 4, with twice the code)
+static inline __m256i kvc_nearest8(__m256 t, const kvc_codebook * cb) {
+    __m256i c = _mm256_setzero_si256();
+    for (int j = 0; j + 1 < cb->n; ++j) {
+        c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(t, _mm256_set1_ps(cb->mid[j]), _CMP_GT_OQ)));
+    }
+    return c;
+}
+
 // The step search with the candidate steps in the lanes: each lane finds its levels and adds
 // its squared errors in value order with the reference's roundings, so the bytes are the
 // reference's (test-kvc-quants and test-kvc-quants-isa compare them).
@@ -35,12 +45,8 @@ static void kvc_sub_errors_avx2(const kvc_codebook * cb, const float * v, int n,
         const __m256 vid = _mm256_loadu_ps(ii);
         __m256 acc = _mm256_setzero_ps();
         for (int i = 0; i < n; ++i) {
-            const __m256 vi = _mm256_set1_ps(v[i]);
-            const __m256 t  = _mm256_mul_ps(vi, vid);
-            __m256i c = _mm256_setzero_si256();
-            for (int j = 0; j + 1 < cb->n; ++j) {
-                c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(t, _mm256_set1_ps(cb->mid[j]), _CMP_GT_OQ)));
-            }
+            const __m256  vi = _mm256_set1_ps(v[i]);
+            const __m256i c  = kvc_nearest8(_mm256_mul_ps(vi, vid), cb);
             __m256 level;
             if (cb->n > 16) {
                 level = _mm256_i32gather_ps(lv, c, 4);
@@ -57,9 +63,58 @@ static void kvc_sub_errors_avx2(const kvc_codebook * cb, const float * v, int n,
         memcpy(err + c0, e, m * sizeof(float));
     }
 }
-// the sub-block quantizer with the AVX2 step search
+
+// A sub-block of 16 values in two vectors: the finite mask, the maximum, the search
+// (kvc_sub_errors_avx2) and the chosen step's codes 8 at a time, where the scalar reference's
+// codes took as long as the search.
+KVC_NO_FP_CONTRACT
 static uint8_t kvc_quantize_sub_avx2(const kvc_codebook * cb, const float * x, int n, uint8_t * codes) {
-    return kvc_quantize_sub_search(cb, x, n, codes, kvc_sub_errors_avx2);
+    KVC_NO_FP_CONTRACT_BODY
+    if (n != QK_KVC_SUB || cb->n > 16) {
+        return kvc_quantize_sub_search(cb, x, n, codes, kvc_sub_errors_avx2);
+    }
+    // the values, those that are not finite (all exponent bits set) zeroed
+    const __m256i exp = _mm256_set1_epi32(0x7f800000);
+    const __m256  abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[2];
+    float  vs[QK_KVC_SUB];
+    __m256 vmax = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+        const __m256  xv  = _mm256_loadu_ps(x + 8 * h);
+        const __m256i bad = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(xv), exp), exp);
+        v[h] = _mm256_andnot_ps(_mm256_castsi256_ps(bad), xv);
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(v[h], abs));
+        _mm256_storeu_ps(vs + 8 * h, v[h]);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    if (amax == 0.0f) {
+        memset(codes, cb->zero_code, n);
+        return 0;
+    }
+
+    int   cand[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
+    float d[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1], id[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1], err[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
+    int   e_max;
+    const int n_cand = kvc_step_candidates(amax, cb->levels[cb->n - 1], &e_max, cand);
+    for (int c = 0; c < n_cand; ++c) {
+        d[c]  = kvc_e8_to_fp32((uint8_t) cand[c]);
+        id[c] = 1.0f / d[c];
+    }
+    kvc_sub_errors_avx2(cb, vs, n, d, id, n_cand, err);
+    const int best_e = kvc_best_step(err, cand, n_cand, e_max);
+
+    const __m256 id_best = _mm256_set1_ps(1.0f / kvc_e8_to_fp32((uint8_t) best_e));
+    for (int h = 0; h < 2; ++h) {
+        int32_t c[8];
+        _mm256_storeu_si256((__m256i *) c, kvc_nearest8(_mm256_mul_ps(v[h], id_best), cb));
+        for (int i = 0; i < 8; ++i) {
+            codes[8 * h + i] = (uint8_t) c[i];
+        }
+    }
+    return (uint8_t) best_e;
 }
 
 #if defined(__AVX512F__)
