@@ -168,6 +168,14 @@ static inline int kvc_step_candidates(float amax, float top_level, int * e_max, 
     return n_cand;
 }
 
+// Each candidate code's step (kvc_e8_to_fp32) and its inverse.
+static inline void kvc_step_values(const int * cand, int n_cand, float * d, float * id) {
+    for (int c = 0; c < n_cand; ++c) {
+        d[c]  = kvc_e8_to_fp32((uint8_t) cand[c]);
+        id[c] = 1.0f / d[c];
+    }
+}
+
 // The candidate with the first smallest error (every error infinite: the matching step e_max).
 static inline int kvc_best_step(const float * err, const int * cand, int n_cand, int e_max) {
     int   best_e   = e_max;

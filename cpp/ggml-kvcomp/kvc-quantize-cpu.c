@@ -99,10 +99,7 @@ static uint8_t kvc_quantize_sub_avx2(const kvc_codebook * cb, const float * x, i
     float d[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1], id[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1], err[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
     int   e_max;
     const int n_cand = kvc_step_candidates(amax, cb->levels[cb->n - 1], &e_max, cand);
-    for (int c = 0; c < n_cand; ++c) {
-        d[c]  = kvc_e8_to_fp32((uint8_t) cand[c]);
-        id[c] = 1.0f / d[c];
-    }
+    kvc_step_values(cand, n_cand, d, id);
     kvc_sub_errors_avx2(cb, vs, n, d, id, n_cand, err);
     const int best_e = kvc_best_step(err, cand, n_cand, e_max);
 
@@ -119,30 +116,18 @@ static uint8_t kvc_quantize_sub_avx2(const kvc_codebook * cb, const float * x, i
 
 #if defined(__AVX512F__)
 // A sub-block of 16 values in one vector, with every candidate step in another: the step
-// search as kvc_sub_errors_avx2 with each level found by halving the thresholds (sorted, so
-// the same index as counting them), then the chosen step's codes the same way, the values
-// side by side. The search was a sixth of a prompt's time over a kvc4 cache, and the scalar
-// rest of the sub-block (the candidates' steps, the codes) as much again, the whole being
-// most of what a kvc cache's decode step adds to f16's on a small model (docs/results.md).
+// search as kvc_sub_errors_avx2 with each level found by its bucket, then the chosen step's
+// codes the same way, the values side by side. The search was a sixth of a prompt's time over
+// a kvc4 cache, and the scalar rest of the sub-block (the candidates' steps, the codes) as much
+// again, the whole being most of what a kvc cache's decode step adds to f16's on a small
+// model (docs/results.md).
 static_assert(KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1 <= 16, "the candidate steps fit one vector");
 static_assert(QK_KVC_SUB == 16, "a sub-block is one vector");
 
-// the index of the level nearest to each lane of t: the thresholds below it, counted by halving
-static inline __m512i kvc_nearest16(__m512 t, __m512 mids, int n_bits) {
-    __m512i c = _mm512_setzero_si512();
-    for (int k = n_bits - 1; k >= 0; --k) {
-        // the threshold just below the upper half of what is left
-        const __m512i   at = _mm512_add_epi32(c, _mm512_set1_epi32((1 << k) - 1));
-        const __mmask16 gt = _mm512_cmp_ps_mask(t, _mm512_permutexvar_ps(at, mids), _CMP_GT_OQ);
-        c = _mm512_mask_add_epi32(c, gt, c, _mm512_set1_epi32(1 << k));
-    }
-    return c;
-}
-
-// The same index by the lane's bucket (cb->bucketed): the thresholds below the bucket
-// (below_lo, below_hi: its 32 counts) plus one if the lane passes the next threshold up, the
-// bucket's own if it has one (mids_inf: the thresholds, +inf past the last). Nine operations
-// where the halving takes 16 for 16 levels.
+// The index of the level nearest to each lane of t (a bucketed codebook): the thresholds below
+// the lane's bucket (below_lo, below_hi: its 32 counts) plus one if the lane passes the next
+// threshold up, the bucket's own if it has one (mids_inf: the thresholds, +inf past the last).
+// Nine operations where halving the thresholds takes 16 for 16 levels.
 static inline __m512i kvc_nearest16_bucketed(__m512 t, __m512i below_lo, __m512i below_hi, __m512 mids_inf) {
     // t / KVC_BUCKET_W exactly (a power of two), held to the outer buckets before its floor
     const __m512    tb = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.0f / KVC_BUCKET_W)),
@@ -159,11 +144,7 @@ static_assert(KVC_BUCKETS == 32, "the bucket counts fill two vectors");
 KVC_NO_FP_CONTRACT
 static uint8_t kvc_quantize_sub_avx512(const kvc_codebook * cb, const float * x, int n, uint8_t * codes) {
     KVC_NO_FP_CONTRACT_BODY
-    int n_bits = 0;
-    while ((1 << n_bits) < cb->n) {
-        ++n_bits;
-    }
-    if (n != QK_KVC_SUB || (1 << n_bits) != cb->n || cb->n > 16) {
+    if (n != QK_KVC_SUB || !cb->bucketed || cb->n > 16) {
         return kvc_quantize_sub_avx2(cb, x, n, codes);
     }
     // the values, those that are not finite (all exponent bits set) zeroed
@@ -189,16 +170,13 @@ static uint8_t kvc_quantize_sub_avx512(const kvc_codebook * cb, const float * x,
     const __m512    vd  = _mm512_maskz_mul_ps(m, fr, p2);
     const __m512    vid = _mm512_maskz_div_ps(m, _mm512_set1_ps(1.0f), vd);
 
-    float lv[16] = { 0 }, mv[16] = { 0 };
-    for (int j = 0; j < cb->n; ++j) {
-        lv[j] = cb->levels[j];
+    float lv[16], mv[16];
+    for (int j = 0; j < 16; ++j) {
+        lv[j] = j < cb->n ? cb->levels[j] : 0.0f;
+        mv[j] = j + 1 < cb->n ? cb->mid[j] : INFINITY;
     }
-    for (int j = 0; j + 1 < cb->n; ++j) {
-        mv[j] = cb->mid[j];
-    }
-    const __m512 levels = _mm512_loadu_ps(lv);
-    const __m512 mids   = _mm512_loadu_ps(mv);
-    const __m512 mids_inf = _mm512_mask_mov_ps(mids, (__mmask16) (0xffffu << (cb->n - 1)), _mm512_set1_ps(INFINITY));
+    const __m512  levels   = _mm512_loadu_ps(lv);
+    const __m512  mids_inf = _mm512_loadu_ps(mv);
     const __m512i below_lo = _mm512_loadu_si512((const void *) cb->below);
     const __m512i below_hi = _mm512_loadu_si512((const void *) (cb->below + 16));
     float vs[16];
@@ -207,7 +185,7 @@ static uint8_t kvc_quantize_sub_avx512(const kvc_codebook * cb, const float * x,
     for (int i = 0; i < QK_KVC_SUB; ++i) {
         const __m512  vi   = _mm512_set1_ps(vs[i]);
         const __m512  t    = _mm512_mul_ps(vi, vid);
-        const __m512i c    = cb->bucketed ? kvc_nearest16_bucketed(t, below_lo, below_hi, mids_inf) : kvc_nearest16(t, mids, n_bits);
+        const __m512i c    = kvc_nearest16_bucketed(t, below_lo, below_hi, mids_inf);
         const __m512  diff = _mm512_sub_ps(vi, _mm512_mul_ps(vd, _mm512_permutexvar_ps(c, levels)));
         acc = _mm512_add_ps(acc, _mm512_mul_ps(diff, diff));
     }
@@ -216,7 +194,7 @@ static uint8_t kvc_quantize_sub_avx512(const kvc_codebook * cb, const float * x,
 
     const int best_e = kvc_best_step(err, cand, n_cand, e_max);
     const __m512  t = _mm512_mul_ps(v, _mm512_set1_ps(1.0f / kvc_e8_to_fp32((uint8_t) best_e)));
-    const __m512i c = cb->bucketed ? kvc_nearest16_bucketed(t, below_lo, below_hi, mids_inf) : kvc_nearest16(t, mids, n_bits);
+    const __m512i c = kvc_nearest16_bucketed(t, below_lo, below_hi, mids_inf);
     _mm_storeu_si128((__m128i *) codes, _mm512_cvtepi32_epi8(c));
     return (uint8_t) best_e;
 }

@@ -18,17 +18,19 @@ static void kvc_codebook_init(kvc_codebook * cb, const int8_t * levels, int n) {
     for (int i = 0; i + 1 < n; ++i) {
         cb->mid[i] = 0.5f * (levels[i] + levels[i + 1]);
     }
-    cb->bucketed = true;
+    // one pass over the sorted thresholds (a row's quantization makes its codebook): the
+    // thresholds in bucket b are those counted below b + 1 and not below b
+    int i = 0;
     for (int b = 0; b < KVC_BUCKETS; ++b) {
         const float lo = b == 0 ? -INFINITY : KVC_BUCKET_W * (float) (b - KVC_BUCKETS / 2);
-        const float hi = b == KVC_BUCKETS - 1 ? INFINITY : KVC_BUCKET_W * (float) (b + 1 - KVC_BUCKETS / 2);
-        int below = 0, in = 0;
-        for (int i = 0; i + 1 < n; ++i) {
-            below += cb->mid[i] < lo;
-            in    += cb->mid[i] >= lo && cb->mid[i] < hi;
+        while (i + 1 < n && cb->mid[i] < lo) {
+            ++i;
         }
-        cb->below[b]  = below;
-        cb->bucketed &= in <= 1;
+        cb->below[b] = i;
+    }
+    cb->bucketed = n - 1 - cb->below[KVC_BUCKETS - 1] <= 1;
+    for (int b = 0; b + 1 < KVC_BUCKETS; ++b) {
+        cb->bucketed &= cb->below[b + 1] - cb->below[b] <= 1;
     }
 }
 
@@ -93,10 +95,7 @@ uint8_t kvc_quantize_sub_search(const kvc_codebook * cb, const float * x, int n,
     float err[KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1];
     int e_max;
     const int n_cand = kvc_step_candidates(amax, cb->levels[cb->n - 1], &e_max, cand);
-    for (int c = 0; c < n_cand; ++c) {
-        d[c]  = kvc_e8_to_fp32((uint8_t) cand[c]);
-        id[c] = 1.0f / d[c];
-    }
+    kvc_step_values(cand, n_cand, d, id);
     errors(cb, v, n, d, id, n_cand, err);
 
     const int best_e = kvc_best_step(err, cand, n_cand, e_max);
