@@ -321,13 +321,12 @@ KVC_T_INLINE __m256 kvc_t_avx2_coefs8(const kvc_t_decoder * dec, const float * l
         const __m256i k   = _mm256_and_si256(_mm256_blendv_epi8(_mm256_xor_si256(code, low), code, up), low);
         const __m256i idx = _mm256_add_epi32(k, _mm256_loadu_si256((const __m256i *) (dec->av_moff + c)));
         // the magnitude among 8 by the index's low 3 bits, among 16 by its bit 3, 31 by its bit 4
+        const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
         __m256 mag = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag), idx),
-                                      _mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag + 8), idx),
-                                      _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+                                      _mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag + 8), idx), bit3);
         if (dec->av_wide[c / 8] == 1) {
             const __m256 mag5 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag + 16), idx),
-                                                 _mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag + 24), idx),
-                                                 _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+                                                 _mm256_permutevar8x32_ps(_mm256_loadu_ps(dec->av_mag + 24), idx), bit3);
             mag = _mm256_blendv_ps(mag, mag5, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 27)));
         }
         l = _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_andnot_si256(up, _mm256_set1_epi32(INT32_MIN))));

@@ -125,8 +125,6 @@ struct llama_kvcomp_tracker {
 
 
 private:
-    // per channel, what one update contributed: the two largest and two
-    // smallest values (enough for a 99.9th percentile over up to 1000 samples)
     struct layer_state {
         ggml_tensor * k_main = nullptr;
         ggml_tensor * v_main = nullptr;
