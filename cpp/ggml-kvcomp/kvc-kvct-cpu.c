@@ -137,6 +137,12 @@ static void kvc_t_avx2_init(kvc_t_decoder * dec) {
         const uint8_t wide = b <= 4 ? 0 : b == 5 ? 1 : 2;
         dec->av_wide[c / 8] = wide > dec->av_wide[c / 8] ? wide : dec->av_wide[c / 8];
     }
+    // windows only move forward: the groups whose second window reaches past the row are the last
+    dec->av_safe = plan->d;
+    for (int32_t c = plan->d - 8; c >= 0 && dec->av_win[c / 4 + 1] + 16 > (int32_t) dec->row_bytes; c -= 8) {
+        dec->av_safe = c;
+    }
+    dec->av_tail = dec->av_safe < plan->d ? dec->av_win[dec->av_safe / 4] : (int32_t) dec->row_bytes;
 }
 #endif
 
@@ -302,12 +308,30 @@ static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, bo
     kvc_t_vbmi_store(dec, F, v);
 }
 #elif defined(KVC_T_AVX2)
-// Coefficients c .. c + 7 of the copied row buf (scale vs) plus base, the decoder's av_ fields;
-// the products of the VBMI decoder
-KVC_T_INLINE __m256 kvc_t_avx2_coefs8(const kvc_t_decoder * dec, const float * levels, const uint8_t * buf, int32_t c, __m256 vs,
-                                      const float * base) {
-    const __m128i lo  = _mm_loadu_si128((const __m128i *) (buf + dec->av_win[c / 4]));
-    const __m128i hi  = _mm_loadu_si128((const __m128i *) (buf + dec->av_win[c / 4 + 1]));
+// A row as the AVX2 decoder reads it: its own bytes, and for the groups from av_safe on a copy
+// of its bytes from av_tail with zeros after it (the windows of those groups reach past the
+// row's end by less than 16 bytes, the copy's bytes are fewer than 20: kvc_t_avx2_init).
+typedef struct {
+    const uint8_t * x;
+    uint8_t tail[48];
+} kvc_t_avx2_row;
+
+KVC_T_INLINE void kvc_t_avx2_row_init(const kvc_t_decoder * dec, const uint8_t * x, kvc_t_avx2_row * r) {
+    r->x = x;
+    _mm256_storeu_si256((__m256i *) r->tail, _mm256_setzero_si256());
+    _mm_storeu_si128((__m128i *) (r->tail + 32), _mm_setzero_si128());
+    memcpy(r->tail, x + dec->av_tail, dec->row_bytes - dec->av_tail);
+}
+
+// Coefficients c .. c + 7 of row r (scale vs) plus base, the decoder's av_ fields; the products
+// of the VBMI decoder
+KVC_T_INLINE __m256 kvc_t_avx2_coefs8(const kvc_t_decoder * dec, const float * levels, const kvc_t_avx2_row * r, int32_t c,
+                                      __m256 vs, const float * base) {
+    const bool      in  = c < dec->av_safe;
+    const uint8_t * src = in ? r->x : r->tail;
+    const int32_t   off = in ? 0 : dec->av_tail;
+    const __m128i lo  = _mm_loadu_si128((const __m128i *) (src + dec->av_win[c / 4] - off));
+    const __m128i hi  = _mm_loadu_si128((const __m128i *) (src + dec->av_win[c / 4 + 1] - off));
     const __m256i wds = _mm256_shuffle_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1),
                                             _mm256_loadu_si256((const __m256i *) (dec->av_ctrl + 4 * c)));
     const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(wds, _mm256_loadu_si256((const __m256i *) (dec->shift + c))),
@@ -339,8 +363,7 @@ KVC_T_INLINE __m256 kvc_t_avx2_coefs8(const kvc_t_decoder * dec, const float * l
     return _mm256_fmadd_ps(_mm256_mul_ps(l, _mm256_loadu_ps(dec->sig + c)), vs, _mm256_loadu_ps(base + c));
 }
 
-// The coefficients of row x plus the decoder's base where `base`, 8 at a time. The row is
-// copied with room after it for its last windows.
+// The coefficients of row x plus the decoder's base where `base`, 8 at a time
 static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, bool plus_base, float * v) {
     const float * base = plus_base ? dec->base : kvc_t_zeros;
     const float s = kvc_e8_to_fp32(x[0]);
@@ -348,12 +371,11 @@ static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, bo
         memcpy(v, base, dec->plan->d * sizeof(float));
         return;
     }
-    uint8_t buf[(8 + KVC_T_MAX_BITS * KVC_T_MAX_D) / 8 + 16];
-    memcpy(buf, x, dec->row_bytes);
-    memset(buf + dec->row_bytes, 0, 16);
+    kvc_t_avx2_row r;
+    kvc_t_avx2_row_init(dec, x, &r);
     const float * levels = kvc_t_levels_of(1);
     for (int32_t c = 0; c < dec->plan->d; c += 8) {
-        _mm256_storeu_ps(v + c, kvc_t_avx2_coefs8(dec, levels, buf, c, _mm256_set1_ps(s), base));
+        _mm256_storeu_ps(v + c, kvc_t_avx2_coefs8(dec, levels, &r, c, _mm256_set1_ps(s), base));
     }
 }
 #else
@@ -741,6 +763,181 @@ KVC_T_INLINE void kvc_t_row_dots16(const kvc_t_decoder * dec, kvc_t_rope_walk * 
 }
 #endif
 
+#if defined(KVC_T_AVX2)
+// The most queries the AVX2 decoder scores a row against in registers
+#define KVC_T_AVX2_MAX_G 8
+
+// The lane sums of a[0..7], lane i of the result a[i]'s
+static inline __m256 kvc_t_hsum8(const __m256 * a) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// a[g] = the lanes whose sum is Q[g] . (row x turned by the angles (tc, ts) as `turn` pairs its
+// channels), for G queries: each 8 coefficients are decoded, turned and scored in registers.
+KVC_T_INLINE void kvc_t_avx2_score(const kvc_t_decoder * dec, const uint8_t * x, const float * tc, const float * ts, int32_t turn,
+                                   float (*Q)[KVC_T_MAX_D], int32_t G, __m256 * a) {
+    const int32_t dd = dec->plan->d;
+    const float * levels = kvc_t_levels_of(1);
+    // scale code 0 (a row at its plan's mean) is a scale of 0: levels times 0, plus base
+    const __m256 vs = _mm256_set1_ps(kvc_e8_to_fp32(x[0]));
+    kvc_t_avx2_row r;
+    kvc_t_avx2_row_init(dec, x, &r);
+    for (int32_t g = 0; g < G; ++g) {
+        a[g] = _mm256_setzero_ps();
+    }
+    if (turn == 2) {
+        const int32_t n = dd / 2;
+        for (int32_t k = 0; k < n; k += 8) {
+            const __m256 ka = kvc_t_avx2_coefs8(dec, levels, &r, k, vs, dec->base);
+            const __m256 kb = kvc_t_avx2_coefs8(dec, levels, &r, k + n, vs, dec->base);
+            const __m256 cp = _mm256_loadu_ps(tc + k), sp = _mm256_loadu_ps(ts + k);
+            const __m256 ya = _mm256_fmsub_ps(cp, ka, _mm256_mul_ps(sp, kb));
+            const __m256 yb = _mm256_fmadd_ps(sp, ka, _mm256_mul_ps(cp, kb));
+            for (int32_t g = 0; g < G; ++g) {
+                a[g] = _mm256_fmadd_ps(ya, _mm256_loadu_ps(Q[g] + k), _mm256_fmadd_ps(yb, _mm256_loadu_ps(Q[g] + k + n), a[g]));
+            }
+        }
+    } else if (turn == 1) {
+        // the whole row first: two rows' worth of turns and products then overlap (faster by a
+        // tenth at head size 64 on AMD Zen 4 than turning each 16 as they come)
+        const __m256i dup0 = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup1 = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+        __m256 F[KVC_T_MAX_D / 8];
+        for (int32_t c = 0; c < dd; c += 8) {
+            F[c / 8] = kvc_t_avx2_coefs8(dec, levels, &r, c, vs, dec->base);
+        }
+        for (int32_t c = 0; c < dd; c += 16) {
+            const __m256 k0 = F[c / 8], k1 = F[c / 8 + 1];
+            const __m256 cp = _mm256_loadu_ps(tc + c / 2), sp = _mm256_loadu_ps(ts + c / 2);
+            // c k -+ s k', k' the pairs swapped
+            const __m256 y0 = _mm256_fmaddsub_ps(_mm256_permutevar8x32_ps(cp, dup0), k0,
+                                                 _mm256_mul_ps(_mm256_permutevar8x32_ps(sp, dup0), _mm256_permute_ps(k0, 0xB1)));
+            const __m256 y1 = _mm256_fmaddsub_ps(_mm256_permutevar8x32_ps(cp, dup1), k1,
+                                                 _mm256_mul_ps(_mm256_permutevar8x32_ps(sp, dup1), _mm256_permute_ps(k1, 0xB1)));
+            for (int32_t g = 0; g < G; ++g) {
+                a[g] = _mm256_fmadd_ps(y0, _mm256_loadu_ps(Q[g] + c), _mm256_fmadd_ps(y1, _mm256_loadu_ps(Q[g] + c + 8), a[g]));
+            }
+        }
+    } else {
+        for (int32_t c = 0; c < dd; c += 8) {
+            const __m256 y = kvc_t_avx2_coefs8(dec, levels, &r, c, vs, dec->base);
+            for (int32_t g = 0; g < G; ++g) {
+                a[g] = _mm256_fmadd_ps(y, _mm256_loadu_ps(Q[g] + c), a[g]);
+            }
+        }
+    }
+}
+
+// QT[g] = Q[g] turned back by the walk's base: R(base)' q, pairs as `turn`
+static void kvc_t_avx2_turn_back(const kvc_t_rope_walk * w, int32_t turn, int32_t dd, float (*Q)[KVC_T_MAX_D], float (*QT)[KVC_T_MAX_D],
+                                 int32_t G) {
+    const int32_t n = dd / 2;
+    if (turn == 2) {
+        for (int32_t p = 0; p < n; p += 8) {
+            const __m256 c = _mm256_loadu_ps(w->bc + p), sn = _mm256_loadu_ps(w->bs + p);
+            for (int32_t g = 0; g < G; ++g) {
+                const __m256 qa = _mm256_loadu_ps(Q[g] + p), qb = _mm256_loadu_ps(Q[g] + p + n);
+                _mm256_storeu_ps(QT[g] + p,     _mm256_fmadd_ps(c, qa, _mm256_mul_ps(sn, qb)));
+                _mm256_storeu_ps(QT[g] + p + n, _mm256_fmsub_ps(c, qb, _mm256_mul_ps(sn, qa)));
+            }
+        }
+        return;
+    }
+    const __m256i dup[2] = { _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7) };
+    for (int32_t p = 0; p < n; p += 8) {
+        const __m256 c = _mm256_loadu_ps(w->bc + p), sn = _mm256_loadu_ps(w->bs + p);
+        for (int32_t h = 0; h < 2; ++h) {
+            const __m256 ch = _mm256_permutevar8x32_ps(c, dup[h]), sh = _mm256_permutevar8x32_ps(sn, dup[h]);
+            for (int32_t g = 0; g < G; ++g) {
+                // first channels c qa + s qb, second c qb - s qa
+                const __m256 qv = _mm256_loadu_ps(Q[g] + 2 * p + 8 * h);
+                _mm256_storeu_ps(QT[g] + 2 * p + 8 * h, _mm256_fmsubadd_ps(ch, qv, _mm256_mul_ps(sh, _mm256_permute_ps(qv, 0xB1))));
+            }
+        }
+    }
+}
+
+// kvc_t_decoder_dots in registers for G queries (gn of them given, the rest zero), as the VBMI
+// decoder does it: q . R(base + steps) k = (R(base)' q) . R(steps) k, so the queries are turned
+// back whenever the walk's base moves (every 16 keys along a run) and each row only by its
+// steps' angles, which are read, not made. G is a constant of each caller: with a run-time
+// count the accumulators went through memory (a row of 256 took 270 ns against 170).
+KVC_T_INLINE void kvc_t_avx2_dots_g(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows,
+                                    const int64_t * pos, int32_t n, const float * const * q, int32_t gn, float * d, int32_t ld,
+                                    int32_t turn, int32_t G) {
+    const int32_t dd = dec->plan->d;
+    float Q[KVC_T_AVX2_MAX_G][KVC_T_MAX_D], QT[KVC_T_AVX2_MAX_G][KVC_T_MAX_D];
+    for (int32_t g = 0; g < G; ++g) {
+        if (g < gn) {
+            memcpy(Q[g], q[g], dd * sizeof(float));
+        } else {
+            memset(Q[g], 0, dd * sizeof(float));
+        }
+    }
+    int64_t qbase = INT64_MIN;
+    const float * tc = NULL;
+    const float * ts = NULL;
+    for (int32_t i0 = 0; i0 < n; i0 += 8) {
+        const int32_t m = n - i0 < 8 ? n - i0 : 8;
+        __m256 acc[KVC_T_AVX2_MAX_G][8];
+        for (int32_t i = 0; i < 8; ++i) {
+            __m256 a[KVC_T_AVX2_MAX_G];
+            if (i < m) {
+                if (turn != 0) {
+                    kvc_t_walk_step(w, pos[i0 + i]);
+                    if (w->base != qbase) {
+                        qbase = w->base;
+                        kvc_t_avx2_turn_back(w, turn, dd, Q, QT, G);
+                    }
+                    tc = w->steps->c[w->delta];
+                    ts = w->steps->s[w->delta];
+                }
+                kvc_t_avx2_score(dec, rows[i0 + i], tc, ts, turn, turn != 0 ? QT : Q, G, a);
+            }
+            for (int32_t g = 0; g < G; ++g) {
+                acc[g][i] = i < m ? a[g] : _mm256_setzero_ps();
+            }
+        }
+        for (int32_t g = 0; g < gn; ++g) {
+            float out[8];
+            _mm256_storeu_ps(out, kvc_t_hsum8(acc[g]));
+            memcpy(d + g * ld + i0, out, m * sizeof(float));
+        }
+    }
+}
+
+#define KVC_T_AVX2_DOTS(G, TURN)                                                                                               \
+    static void kvc_t_avx2_dots_##G##_##TURN(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows,    \
+                                             const int64_t * pos, int32_t n, const float * const * q, int32_t gn, float * d,   \
+                                             int32_t ld) {                                                                     \
+        kvc_t_avx2_dots_g(dec, w, rows, pos, n, q, gn, d, ld, TURN, G);                                                        \
+    }
+KVC_T_AVX2_DOTS(1, 0) KVC_T_AVX2_DOTS(1, 1) KVC_T_AVX2_DOTS(1, 2)
+KVC_T_AVX2_DOTS(2, 0) KVC_T_AVX2_DOTS(2, 1) KVC_T_AVX2_DOTS(2, 2)
+KVC_T_AVX2_DOTS(4, 0) KVC_T_AVX2_DOTS(4, 1) KVC_T_AVX2_DOTS(4, 2)
+KVC_T_AVX2_DOTS(8, 0) KVC_T_AVX2_DOTS(8, 1) KVC_T_AVX2_DOTS(8, 2)
+#undef KVC_T_AVX2_DOTS
+
+typedef void (*kvc_t_avx2_dots_t)(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows, const int64_t * pos,
+                                  int32_t n, const float * const * q, int32_t gn, float * d, int32_t ld);
+
+// gn <= KVC_T_AVX2_MAX_G queries, as many in registers as the next count of 1, 2, 4 and 8 (a
+// zero query costs less than a count the compiler does not know: 3 queries as 4 took 52 ns a
+// row of 64 against 54 as 3)
+static void kvc_t_avx2_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows, const int64_t * pos,
+                            int32_t n, const float * const * q, int32_t gn, float * d, int32_t ld) {
+    static const kvc_t_avx2_dots_t dots[4][3] = {
+        { kvc_t_avx2_dots_1_0, kvc_t_avx2_dots_1_1, kvc_t_avx2_dots_1_2 },
+        { kvc_t_avx2_dots_2_0, kvc_t_avx2_dots_2_1, kvc_t_avx2_dots_2_2 },
+        { kvc_t_avx2_dots_4_0, kvc_t_avx2_dots_4_1, kvc_t_avx2_dots_4_2 },
+        { kvc_t_avx2_dots_8_0, kvc_t_avx2_dots_8_1, kvc_t_avx2_dots_8_2 },
+    };
+    const int32_t k = gn <= 1 ? 0 : gn <= 2 ? 1 : gn <= 4 ? 2 : 3;
+    dots[k][w ? dec->pairing : 0](dec, w, rows, pos, n, q, gn, d, ld);
+}
+#endif
+
 void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const uint8_t * const * rows, const int64_t * pos,
                         int32_t n, const float * const * q, int32_t gn, float * d, int32_t ld) {
     const int32_t dd = dec->plan->d;
@@ -771,9 +968,12 @@ void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const ui
         return;
     }
 #elif defined(KVC_T_AVX2)
+    if (gn <= KVC_T_AVX2_MAX_G && (w ? w->fold : dec->identity)) {
+        kvc_t_avx2_dots(dec, w, rows, pos, n, q, gn, d, ld);
+        return;
+    }
     if (dd % 8 == 0) {
-        // 8 rows' products a tile, summed across lanes for all 8 at once (decoding, turning and
-        // scoring a row in registers measured no faster on AMD Zen 1 than through y)
+        // 8 rows' products a tile, summed across lanes for all 8 at once
         float y[KVC_T_MAX_D];
         for (int32_t i0 = 0; i0 < n; i0 += 8) {
             const int32_t m = n - i0 < 8 ? n - i0 : 8;
@@ -794,12 +994,8 @@ void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const ui
                 }
             }
             for (int32_t g = 0; g < gn; ++g) {
-                const __m256 * a = acc[g];
-                const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-                const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-                const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
                 float out[8];
-                _mm256_storeu_ps(out, sum);
+                _mm256_storeu_ps(out, kvc_t_hsum8(acc[g]));
                 memcpy(d + g * ld + i0, out, m * sizeof(float));
             }
         }

@@ -53,8 +53,12 @@ typedef struct {
     // group whose coefficients have at most 5 bits (av_wide 0 or 1) the sign is the code's top
     // bit (av_top) and the magnitude comes from the 31 of 1-5 bits (av_mag, b's from av_moff)
     // in registers, two of them when the group has at most 4 bits (av_wide 0); groups with
-    // wider coefficients (av_wide 2) read their levels one at a time.
+    // wider coefficients (av_wide 2) read their levels one at a time. The groups from
+    // coefficient av_safe on have a window that reaches past the row's end: they read a copy of
+    // the row's bytes from av_tail on, with zeros after it, so that no row is read past its end
+    // and none is copied whole.
     int32_t av_win[KVC_T_MAX_D / 4];
+    int32_t av_safe, av_tail;
     uint8_t av_ctrl[4 * KVC_T_MAX_D];
     int32_t av_top[KVC_T_MAX_D], av_moff[KVC_T_MAX_D];
     uint8_t av_wide[KVC_T_MAX_D / 8];

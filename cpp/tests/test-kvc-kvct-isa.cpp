@@ -22,6 +22,12 @@
 #include <cstdio>
 #include <cstring>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#include <unistd.h>
+#define KVC_TEST_GUARD_PAGE
+#endif
+
 using namespace kvc_test;
 
 namespace {
@@ -120,7 +126,8 @@ void test_decoder(report & rep, int d, bool neox, bool steep, ggml_type type) {
     rep.check(same, "%s: d=%3d %s%s rows after RoPE equal dequantize_row_kvct bit for bit", KVC_ISA, d, name, steep ? " steep" : "");
 
     // scores a tile at a time, against double dot products with the reference rows: batches of
-    // 37, 16 and 5 rows (full and partial groups of 16) for 1, 3 and 16 queries
+    // 37, 16 and 5 rows (full and partial tiles) for 1, 2, 3, 6 and 16 queries (the AVX2
+    // decoder's register counts 1, 2, 4 and 8 with zero queries, and more than it holds)
     const auto qs = make_rows(dist::gaussian, KVC_T_DOTS_MAX_Q, d, 5 + d);
     const float * q[KVC_T_DOTS_MAX_Q];
     for (int g = 0; g < KVC_T_DOTS_MAX_Q; ++g) {
@@ -128,11 +135,11 @@ void test_decoder(report & rep, int d, bool neox, bool steep, ggml_type type) {
     }
     kvc_t_rope_walk_init(&walk, &rope, &steps, &dec);
     double worst[2] = { 0.0, 0.0 };
-    const int lens[3] = { 37, 16, 5 }, gns[3] = { 1, 3, KVC_T_DOTS_MAX_Q };
+    const int lens[3] = { 37, 16, 5 }, gns[5] = { 1, 3, KVC_T_DOTS_MAX_Q, 2, 6 };
     std::vector<float> dots(KVC_T_DOTS_MAX_Q * 37);
     const uint8_t * ptr[37];
     for (int r0 = 0, b = 0; r0 < n; r0 += lens[b % 3], ++b) {
-        const int len = std::min(lens[b % 3], n - r0), gn = gns[b % 3];
+        const int len = std::min(lens[b % 3], n - r0), gn = gns[b % 5];
         for (int before = 0; before < 2; ++before) {
             const std::vector<uint8_t> & src = before ? rows : rows_pooled;
             const std::vector<float> & ref = before ? turned : plain;
@@ -158,6 +165,40 @@ void test_decoder(report & rep, int d, bool neox, bool steep, ggml_type type) {
               name, steep ? " steep" : "", worst[1]);
     rep.check(worst[0] <= 1e-6, "%s: d=%3d %s%s scores of rows after RoPE vs double: max error %.2e <= 1e-6 of |q||k|", KVC_ISA, d,
               name, steep ? " steep" : "", worst[0]);
+
+#if defined(KVC_TEST_GUARD_PAGE)
+    // the last rows of a cache's buffer: a row whose last byte is followed by a page that cannot
+    // be read, decoded by every entry point; a decoder reading past the row's end faults here
+    const size_t ps = (size_t) sysconf(_SC_PAGESIZE);
+    uint8_t * page = (uint8_t *) mmap(nullptr, 2 * ps, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    GGML_ASSERT(page != MAP_FAILED && mprotect(page + ps, ps, PROT_NONE) == 0);
+    uint8_t * last = page + ps - rb;
+    bool guarded_same = true;
+    std::vector<float> ya(d), yb(d), da(KVC_T_DOTS_MAX_Q), db(KVC_T_DOTS_MAX_Q);
+    for (int r = 0; r < 8; ++r) {
+        for (int before = 0; before < 2; ++before) {
+            const uint8_t * src = before ? &rows[r * rb] : &rows_pooled[r * rb];
+            const kvc_t_decoder * dc = before ? &dec : &dec_pooled;
+            memcpy(last, src, rb);
+            kvc_t_rope_walk_to(&walk, at[r]);
+            kvc_t_decoder_row_at(dc, last, &walk, ya.data());
+            kvc_t_decoder_row_at(dc, src, &walk, yb.data());
+            guarded_same &= memcmp(ya.data(), yb.data(), d * sizeof(float)) == 0;
+            kvc_t_decoder_row(dc, last, ya.data());
+            kvc_t_decoder_row(dc, src, yb.data());
+            guarded_same &= memcmp(ya.data(), yb.data(), d * sizeof(float)) == 0;
+            for (int gn : { 1, 3, 6 }) {
+                const uint8_t * pa[1] = { last }, * pb[1] = { src };
+                kvc_t_decoder_dots(dc, before ? &walk : nullptr, pa, &at[r], 1, q, gn, da.data(), 1);
+                kvc_t_decoder_dots(dc, before ? &walk : nullptr, pb, &at[r], 1, q, gn, db.data(), 1);
+                guarded_same &= memcmp(da.data(), db.data(), gn * sizeof(float)) == 0;
+            }
+        }
+    }
+    munmap(page, 2 * ps);
+    rep.check(guarded_same, "%s: d=%3d %s%s rows that end at an unreadable page decode as elsewhere", KVC_ISA, d, name,
+              steep ? " steep" : "");
+#endif
 }
 
 // The coder (kvc_t_quantize_row, a cache's writes) against quantize_row_kvct_ref, byte for
