@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -402,6 +403,102 @@ void test_nan_in_first_rows(report & rep, llama_model * model, const std::vector
               NAN_STREAM_MARGIN, kl_ref);
 }
 
+namespace {
+
+// The buffer norms (buf_l2_k / buf_l2_v of the head snapshots) against a sum of their own: the
+// rows the graph computes for the cache, caught by the scheduler's callback (the last tensor
+// named Kcur-<il> / Vcur-<il> in each ubatch, K after RoPE), over the positions the buffer
+// holds. With no sinks, no pins and no tracker (whose offset would be taken off the rows
+// held), those are the last n_used of the one sequence decoded in order; merged every 4
+// ubatches, the buffer also keeps released rows (spares) in the slots, which are not held. The slots hold the rows in F16 after upstream's Hadamard rotation of a quantized
+// cache, which keeps a head's norm: each stored value is within half an F16 ulp (2^-11 of
+// itself) of the rotated one, so the norms agree within 2^-11, plus 1e-5 for float sums. A
+// row held too many or too few, or another head's channels, moves a norm by about 1/16 of a
+// row's share (a few percent).
+constexpr double BUF_L2_BOUND = 1.0 / 2048 + 1e-5;
+struct kv_capture {
+    std::vector<std::vector<float>> k, v;       // per layer, the rows in position order
+    std::vector<std::vector<float>> k_ub, v_ub; // this ubatch's
+};
+
+bool capture_kv(ggml_tensor * t, bool ask, void * user_data) {
+    int il = -1;
+    char kind = 0;
+    if (std::sscanf(t->name, "%ccur-%d", &kind, &il) != 2 || (kind != 'K' && kind != 'V') || il < 0) {
+        return false;
+    }
+    if (ask) {
+        return true;
+    }
+    auto * cap = (kv_capture *) user_data;
+    auto & dst = kind == 'K' ? cap->k_ub : cap->v_ub;
+    if ((size_t) il < dst.size() && t->type == GGML_TYPE_F32 && ggml_is_contiguous(t)) {
+        dst[il].resize((size_t) ggml_nelements(t));
+        ggml_backend_tensor_get(t, dst[il].data(), 0, ggml_nbytes(t));
+    }
+    return true;
+}
+
+void test_buffer_norms(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
+    const int32_t n_layer = llama_model_n_layer(model), n_head_kv = llama_model_n_head_kv(model);
+    kv_capture cap;
+    for (auto * v : { &cap.k, &cap.v, &cap.k_ub, &cap.v_ub }) {
+        v->resize(n_layer);
+    }
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = 512; cp.n_batch = 512; cp.n_ubatch = 512; cp.n_seq_max = 1;
+    cp.n_threads = 2; cp.n_threads_batch = 2;
+    cp.type_k = cp.type_v = GGML_TYPE_KVC4;
+    cp.flash_attn_type   = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    cp.cb_eval           = capture_kv;
+    cp.cb_eval_user_data = &cap;
+    ctx_ptr c{ llama_init_from_model(model, cp) };
+    llama_kvcomp_params p = llama_kvcomp_default_params();
+    p.window         = 16;
+    p.merge_interval = 4;
+    p.merge_at       = 1.0f;
+    llama_kvcomp_monitor_params mp = llama_kvcomp_monitor_default_params();
+    mp.refresh = 1000;
+    bool ok = c.ctx && llama_kvcomp_configure(c.ctx, &p) == 0 && llama_kvcomp_set_monitor(c.ctx, &mp) == 0;
+    // a prompt in ubatches of 16, then single tokens: the buffer fills, merges and wraps
+    const int n_pos = N_PROMPT + 12;
+    for (int i = 0; ok && i < n_pos;) {
+        const int n = i < N_PROMPT ? 16 : 1;
+        ok = !decode(c.ctx, toks, i, i + n, n).empty();
+        for (int32_t il = 0; ok && il < n_layer; ++il) {
+            ok = !cap.k_ub[il].empty() && !cap.v_ub[il].empty();
+            cap.k[il].insert(cap.k[il].end(), cap.k_ub[il].begin(), cap.k_ub[il].end());
+            cap.v[il].insert(cap.v[il].end(), cap.v_ub[il].begin(), cap.v_ub[il].end());
+            cap.k_ub[il].clear();
+            cap.v_ub[il].clear();
+        }
+        i += n;
+    }
+    llama_kvcomp_stats st = {};
+    ok = ok && llama_kvcomp_get_stats(c.ctx, &st) == 0 && st.n_used > 0 && st.n_pinned == 0;
+    const snapshot snap = ok ? take_snapshot(c.ctx) : snapshot{};
+    double worst = ok && (int) snap.heads.size() == n_layer * n_head_kv ? 0.0 : INFINITY;
+    for (const auto & h : snap.heads) {
+        for (int kv = 0; kv < 2 && std::isfinite(worst); ++kv) {
+            const std::vector<float> & rows = kv == 0 ? cap.k[h.il] : cap.v[h.il];
+            const int64_t width = (int64_t) rows.size() / n_pos, d = width / n_head_kv;
+            double sum = 0.0;
+            for (int pos = n_pos - st.n_used; pos < n_pos; ++pos) {
+                for (int64_t j = 0; j < d; ++j) {
+                    const double x = rows[(size_t) pos * width + h.head * d + j];
+                    sum += x * x;
+                }
+            }
+            const double got = kv == 0 ? h.buf_l2_k : h.buf_l2_v;
+            worst = (int64_t) rows.size() == (int64_t) n_pos * width ? std::max(worst, rel(got, std::sqrt(sum))) : INFINITY;
+        }
+    }
+    rep.check(worst <= BUF_L2_BOUND, "buffer norms of %zu heads = those of the rows the graph made for the %d positions "
+              "held, summed apart: max rel diff %.2e <= %.2e", snap.heads.size(), st.n_used, worst, BUF_L2_BOUND);
+}
+
+} // namespace
+
 int main(int argc, char ** argv) {
     llama_model * model = load_test_model(argc, argv);
     if (!model) {
@@ -432,6 +529,7 @@ int main(int argc, char ** argv) {
         p.pin_threshold  = 0.0f;
         test_config(rep, model, toks, "window 16", p, true);
         test_nan_in_first_rows(rep, model, toks);
+        test_buffer_norms(rep, model, toks);
     }
     llama_model_free(model);
     llama_backend_free();
