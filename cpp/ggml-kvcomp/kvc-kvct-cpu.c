@@ -10,7 +10,9 @@
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define KVC_T_VBMI
 #endif
-#elif defined(__AVX2__) && defined(__FMA__)
+#endif
+// without VBMI (AVX-512 of Skylake-X and Cascade Lake included) rows are decoded 8 at a time
+#if !defined(KVC_T_VBMI) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVC_T_AVX2
 #endif
@@ -946,6 +948,11 @@ void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const ui
         kvc_t_vbmi_dots(dec, w, rows, pos, n, q, gn, d, ld);
         return;
     }
+#elif defined(KVC_T_AVX2)
+    if (gn <= KVC_T_AVX2_MAX_G && (w ? w->fold : dec->identity)) {
+        kvc_t_avx2_dots(dec, w, rows, pos, n, q, gn, d, ld);
+        return;
+    }
 #endif
 #if defined(__AVX512F__)
     if (dd % 16 == 0) {
@@ -968,10 +975,6 @@ void kvc_t_decoder_dots(const kvc_t_decoder * dec, kvc_t_rope_walk * w, const ui
         return;
     }
 #elif defined(KVC_T_AVX2)
-    if (gn <= KVC_T_AVX2_MAX_G && (w ? w->fold : dec->identity)) {
-        kvc_t_avx2_dots(dec, w, rows, pos, n, q, gn, d, ld);
-        return;
-    }
     if (dd % 8 == 0) {
         // 8 rows' products a tile, summed across lanes for all 8 at once
         float y[KVC_T_MAX_D];

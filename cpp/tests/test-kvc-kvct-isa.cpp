@@ -1,6 +1,7 @@
 // kvct's CPU row decoder (kvc-kvct-cpu.c) built for one instruction-set level, against the
 // format's reference: every build of the CPU backend takes the decoder its machine's flags
-// allow (portable scalar, AVX-512 turn, AVX-512 VBMI decode), and test-kvc-kvct checks only
+// allow (portable scalar; AVX2 decode, also under AVX-512 without VBMI, with the AVX-512 turn
+// there; AVX-512 VBMI decode), and test-kvc-kvct checks only
 // the one of the machine that runs it. CMake builds this file once per level (KVC_ISA names
 // it); a level the machine cannot run exits 77 (skipped).
 //
