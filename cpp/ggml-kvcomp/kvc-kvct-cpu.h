@@ -3,7 +3,7 @@
 // Reading kvct rows on the CPU (the attention kernels of kvc-fattn.cpp): a plan's decoder,
 // set up once per node and KV head, that finds each coded coefficient's bits with one load
 // instead of walking the row bit by bit as the reference does, or decodes 64 coefficients at a
-// time with AVX-512 VBMI, 8 with AVX2 (docs/formats.md, "kvct"). Internal to the CPU backend.
+// time with AVX-512 VBMI, 8 with AVX2 (and AVX-512 without VBMI) (docs/formats.md, "kvct"). Internal to the CPU backend.
 
 #include "kvc-transform.h"
 
