@@ -125,9 +125,10 @@ static void kvc_t_avx2_init(kvc_t_decoder * dec) {
     }
     for (int32_t c = 0; c < plan->d; ++c) {
         const int b = plan->bits[c];
-        // the 4 codes of a window span at most 4 x 8 + 7 bits: its words lie in its 16 bytes
-        const int32_t w0 = dec->boff[c / 4 * 4];
-        dec->av_win[c / 4] = w0;
+        // a group's 8 codes start at most 7 x 8 + 7 bits after its first byte: the 4 bytes
+        // of each lie in the group's 16
+        const int32_t w0 = dec->boff[c / 8 * 8];
+        dec->av_win[c / 8] = w0;
         for (int i = 0; i < 4; ++i) {
             dec->av_ctrl[4 * c + i] = (uint8_t) (dec->boff[c] - w0 + i);
         }
@@ -141,10 +142,10 @@ static void kvc_t_avx2_init(kvc_t_decoder * dec) {
     }
     // windows only move forward: the groups whose second window reaches past the row are the last
     dec->av_safe = plan->d;
-    for (int32_t c = plan->d - 8; c >= 0 && dec->av_win[c / 4 + 1] + 16 > (int32_t) dec->row_bytes; c -= 8) {
+    for (int32_t c = plan->d - 8; c >= 0 && dec->av_win[c / 8] + 16 > (int32_t) dec->row_bytes; c -= 8) {
         dec->av_safe = c;
     }
-    dec->av_tail = dec->av_safe < plan->d ? dec->av_win[dec->av_safe / 4] : (int32_t) dec->row_bytes;
+    dec->av_tail = dec->av_safe < plan->d ? dec->av_win[dec->av_safe / 8] : (int32_t) dec->row_bytes;
 }
 #endif
 
@@ -311,17 +312,16 @@ static void kvc_t_decoder_coefs(const kvc_t_decoder * dec, const uint8_t * x, bo
 }
 #elif defined(KVC_T_AVX2)
 // A row as the AVX2 decoder reads it: its own bytes, and for the groups from av_safe on a copy
-// of its bytes from av_tail with zeros after it (the windows of those groups reach past the
-// row's end by less than 16 bytes, the copy's bytes are fewer than 20: kvc_t_avx2_init).
+// of its bytes from av_tail with zeros after it (those groups' windows start in the row's
+// last 15 bytes: the copy is shorter than 16 bytes and their windows end within 32).
 typedef struct {
     const uint8_t * x;
-    uint8_t tail[48];
+    uint8_t tail[32];
 } kvc_t_avx2_row;
 
 KVC_T_INLINE void kvc_t_avx2_row_init(const kvc_t_decoder * dec, const uint8_t * x, kvc_t_avx2_row * r) {
     r->x = x;
     _mm256_storeu_si256((__m256i *) r->tail, _mm256_setzero_si256());
-    _mm_storeu_si128((__m128i *) (r->tail + 32), _mm_setzero_si128());
     memcpy(r->tail, x + dec->av_tail, dec->row_bytes - dec->av_tail);
 }
 
@@ -332,10 +332,8 @@ KVC_T_INLINE __m256 kvc_t_avx2_coefs8(const kvc_t_decoder * dec, const float * l
     const bool      in  = c < dec->av_safe;
     const uint8_t * src = in ? r->x : r->tail;
     const int32_t   off = in ? 0 : dec->av_tail;
-    const __m128i lo  = _mm_loadu_si128((const __m128i *) (src + dec->av_win[c / 4] - off));
-    const __m128i hi  = _mm_loadu_si128((const __m128i *) (src + dec->av_win[c / 4 + 1] - off));
-    const __m256i wds = _mm256_shuffle_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1),
-                                            _mm256_loadu_si256((const __m256i *) (dec->av_ctrl + 4 * c)));
+    const __m256i win = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) (src + dec->av_win[c / 8] - off)));
+    const __m256i wds = _mm256_shuffle_epi8(win, _mm256_loadu_si256((const __m256i *) (dec->av_ctrl + 4 * c)));
     const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(wds, _mm256_loadu_si256((const __m256i *) (dec->shift + c))),
                                           _mm256_loadu_si256((const __m256i *) (dec->mask + c)));
     __m256 l;

@@ -48,8 +48,8 @@ typedef struct {
     uint8_t vb_top[KVC_T_MAX_D], vb_low[KVC_T_MAX_D], vb_moff[KVC_T_MAX_D];
     float   vb_sig[KVC_T_MAX_D], vb_base[KVC_T_MAX_D];
     // The AVX2 decoder (filled where it is built): 8 coefficients at a time, each one's 4 bytes
-    // picked by a byte shuffle (av_ctrl) from a 16-byte window of the row at av_win (one for
-    // coefficients 8 g .. 8 g + 3, one for the next 4), then shifted and masked as above. In a
+    // picked by a byte shuffle (av_ctrl) from the group's 16-byte window of the row at av_win
+    // (in both 128-bit lanes), then shifted and masked as above. In a
     // group whose coefficients have at most 5 bits (av_wide 0 or 1) the sign is the code's top
     // bit (av_top) and the magnitude comes from the 31 of 1-5 bits (av_mag, b's from av_moff)
     // in registers, two of them when the group has at most 4 bits (av_wide 0); groups with
@@ -57,7 +57,7 @@ typedef struct {
     // coefficient av_safe on have a window that reaches past the row's end: they read a copy of
     // the row's bytes from av_tail on, with zeros after it, so that no row is read past its end
     // and none is copied whole.
-    int32_t av_win[KVC_T_MAX_D / 4];
+    int32_t av_win[KVC_T_MAX_D / 8];
     int32_t av_safe, av_tail;
     uint8_t av_ctrl[4 * KVC_T_MAX_D];
     int32_t av_top[KVC_T_MAX_D], av_moff[KVC_T_MAX_D];
