@@ -3,7 +3,8 @@
 // Reading kvct rows on the CPU (the attention kernels of kvc-fattn.cpp): a plan's decoder,
 // set up once per node and KV head, that finds each coded coefficient's bits with one load
 // instead of walking the row bit by bit as the reference does, or decodes 64 coefficients at a
-// time with AVX-512 VBMI, 8 with AVX2 (and AVX-512 without VBMI) (docs/formats.md, "kvct"). Internal to the CPU backend.
+// time with AVX-512 VBMI, 8 with AVX2 or AVX-512 without VBMI (docs/formats.md, "kvct").
+// Internal to the CPU backend.
 
 #include "kvc-transform.h"
 
@@ -49,8 +50,8 @@ typedef struct {
     float   vb_sig[KVC_T_MAX_D], vb_base[KVC_T_MAX_D];
     // The AVX2 decoder (filled where it is built): 8 coefficients at a time, each one's 4 bytes
     // picked by a byte shuffle (av_ctrl) from the group's 16-byte window of the row at av_win
-    // (in both 128-bit lanes), then shifted and masked as above. In a
-    // group whose coefficients have at most 5 bits (av_wide 0 or 1) the sign is the code's top
+    // (in both 128-bit lanes), then shifted and masked as above. In a group whose
+    // coefficients have at most 5 bits (av_wide 0 or 1) the sign is the code's top
     // bit (av_top) and the magnitude comes from the 31 of 1-5 bits (av_mag, b's from av_moff)
     // in registers, two of them when the group has at most 4 bits (av_wide 0); groups with
     // wider coefficients (av_wide 2) read their levels one at a time. The groups from

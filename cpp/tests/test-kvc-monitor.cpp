@@ -410,11 +410,12 @@ namespace {
 // named Kcur-<il> / Vcur-<il> in each ubatch, K after RoPE), over the positions the buffer
 // holds. With no sinks, no pins and no tracker (whose offset would be taken off the rows
 // held), those are the last n_used of the one sequence decoded in order; merged every 4
-// ubatches, the buffer also keeps released rows (spares) in the slots, which are not held. The slots hold the rows in F16 after upstream's Hadamard rotation of a quantized
-// cache, which keeps a head's norm: each stored value is within half an F16 ulp (2^-11 of
-// itself) of the rotated one, so the norms agree within 2^-11, plus 1e-5 for float sums. A
-// row held too many or too few, or another head's channels, moves a norm by about 1/16 of a
-// row's share (a few percent).
+// ubatches, the buffer also keeps released rows (spares) in the slots, which are not held.
+// The slots hold the rows in F16 after upstream's Hadamard rotation of a quantized cache,
+// which keeps a head's norm: each stored value is within half an F16 ulp (2^-11 of itself) of
+// the rotated one, so the norms agree within 2^-11, plus 1e-5 for float sums. A row held too
+// many or too few, or another head's channels, moves a norm by about 1/16 of a row's share
+// (a few percent).
 constexpr double BUF_L2_BOUND = 1.0 / 2048 + 1e-5;
 struct kv_capture {
     std::vector<std::vector<float>> k, v;       // per layer, the rows in position order
