@@ -445,6 +445,16 @@ static inline __m512 kvc_t_turn_pairs8(__m512 a, __m512 c, __m512 s, int h) {
 }
 #endif
 
+#if defined(KVC_T_AVX2)
+// 4 pairs (2p, 2p+1) side by side in a, turned by the angles of pairs h*4 .. h*4+3 of (c, s):
+// c a -+ s a', a' the pairs swapped
+static inline __m256 kvc_t_turn_pairs4(__m256 a, __m256 c, __m256 s, int h) {
+    const __m256i dup = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_set1_epi32(4 * h));
+    const __m256  sw  = _mm256_mul_ps(_mm256_permutevar8x32_ps(s, dup), _mm256_permute_ps(a, 0xB1));
+    return _mm256_fmaddsub_ps(_mm256_permutevar8x32_ps(c, dup), a, sw);
+}
+#endif
+
 // y = the coefficients v (pairs as `pairing`) turned pair by pair by the angles of the walk's
 // base plus those of its steps since (tc, ts): the sum is taken here, per row, so that no key's
 // angles wait on the last key's
@@ -469,18 +479,14 @@ static void kvc_t_turn(int32_t pairing, int32_t n, const float * v, const kvc_t_
     }
 #elif defined(KVC_T_AVX2)
     if (n % 8 == 0) {
-        const __m256i dup[2] = { _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7) };
         for (int32_t p = 0; p < n; p += 8) {
             const __m256 bc = _mm256_loadu_ps(w->bc + p), bs = _mm256_loadu_ps(w->bs + p);
             const __m256 tcp = _mm256_loadu_ps(tc + p), tsp = _mm256_loadu_ps(ts + p);
             const __m256 cp = _mm256_fmsub_ps(bc, tcp, _mm256_mul_ps(bs, tsp));
             const __m256 sp = _mm256_fmadd_ps(bs, tcp, _mm256_mul_ps(bc, tsp));
             if (pairing == 1) {
-                // 4 pairs side by side a vector: c a -+ s a', a' the pairs swapped
                 for (int h = 0; h < 2; ++h) {
-                    const __m256 a  = _mm256_loadu_ps(v + 2 * p + 8 * h);
-                    const __m256 sw = _mm256_mul_ps(_mm256_permutevar8x32_ps(sp, dup[h]), _mm256_permute_ps(a, 0xB1));
-                    _mm256_storeu_ps(y + 2 * p + 8 * h, _mm256_fmaddsub_ps(_mm256_permutevar8x32_ps(cp, dup[h]), a, sw));
+                    _mm256_storeu_ps(y + 2 * p + 8 * h, kvc_t_turn_pairs4(_mm256_loadu_ps(v + 2 * p + 8 * h), cp, sp, h));
                 }
             } else {
                 const __m256 a = _mm256_loadu_ps(v + p), b = _mm256_loadu_ps(v + p + n);
@@ -802,19 +808,14 @@ KVC_T_INLINE void kvc_t_avx2_score(const kvc_t_decoder * dec, const uint8_t * x,
     } else if (turn == 1) {
         // the whole row decoded first gives the core independent decodes to overlap (at head
         // size 64 on AMD Zen 4, 52.8 ns a row against 58.0 turning each 16 as they come)
-        const __m256i dup0 = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), dup1 = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
         __m256 F[KVC_T_MAX_D / 8];
         for (int32_t c = 0; c < dd; c += 8) {
             F[c / 8] = kvc_t_avx2_coefs8(dec, levels, &r, c, vs, dec->base);
         }
         for (int32_t c = 0; c < dd; c += 16) {
-            const __m256 k0 = F[c / 8], k1 = F[c / 8 + 1];
             const __m256 cp = _mm256_loadu_ps(tc + c / 2), sp = _mm256_loadu_ps(ts + c / 2);
-            // c k -+ s k', k' the pairs swapped
-            const __m256 y0 = _mm256_fmaddsub_ps(_mm256_permutevar8x32_ps(cp, dup0), k0,
-                                                 _mm256_mul_ps(_mm256_permutevar8x32_ps(sp, dup0), _mm256_permute_ps(k0, 0xB1)));
-            const __m256 y1 = _mm256_fmaddsub_ps(_mm256_permutevar8x32_ps(cp, dup1), k1,
-                                                 _mm256_mul_ps(_mm256_permutevar8x32_ps(sp, dup1), _mm256_permute_ps(k1, 0xB1)));
+            const __m256 y0 = kvc_t_turn_pairs4(F[c / 8], cp, sp, 0);
+            const __m256 y1 = kvc_t_turn_pairs4(F[c / 8 + 1], cp, sp, 1);
             for (int32_t g = 0; g < G; ++g) {
                 a[g] = _mm256_fmadd_ps(y0, _mm256_loadu_ps(Q[g] + c), _mm256_fmadd_ps(y1, _mm256_loadu_ps(Q[g] + c + 8), a[g]));
             }
@@ -844,16 +845,13 @@ static void kvc_t_avx2_turn_back(const kvc_t_rope_walk * w, int32_t turn, int32_
         }
         return;
     }
-    const __m256i dup[2] = { _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7) };
+    // pairs side by side: turned by the base's angle taken negative (c qa + s qb, c qb - s qa)
     for (int32_t p = 0; p < n; p += 8) {
-        const __m256 c = _mm256_loadu_ps(w->bc + p), sn = _mm256_loadu_ps(w->bs + p);
+        const __m256 c  = _mm256_loadu_ps(w->bc + p);
+        const __m256 ns = _mm256_xor_ps(_mm256_loadu_ps(w->bs + p), _mm256_set1_ps(-0.0f));
         for (int32_t h = 0; h < 2; ++h) {
-            const __m256 ch = _mm256_permutevar8x32_ps(c, dup[h]), sh = _mm256_permutevar8x32_ps(sn, dup[h]);
             for (int32_t g = 0; g < G; ++g) {
-                // first channels c qa + s qb, second c qb - s qa
-                const __m256 qv = _mm256_loadu_ps(Q[g] + 2 * p + 8 * h);
-                const __m256 sw = _mm256_mul_ps(sh, _mm256_permute_ps(qv, 0xB1));
-                _mm256_storeu_ps(QT[g] + 2 * p + 8 * h, _mm256_fmsubadd_ps(ch, qv, sw));
+                _mm256_storeu_ps(QT[g] + 2 * p + 8 * h, kvc_t_turn_pairs4(_mm256_loadu_ps(Q[g] + 2 * p + 8 * h), c, ns, h));
             }
         }
     }
