@@ -37,9 +37,10 @@ struct ctx_ptr {
     ~ctx_ptr() { llama_free(ctx); }
 };
 
-// type_v: the V cache's type when it differs from K's (a mode's pair)
-inline llama_context * make_ctx(llama_model * model, ggml_type type, uint32_t n_seq_max = 1, bool unified = true,
-                                ggml_type type_v = GGML_TYPE_COUNT) {
+// The tests' context: 512 cells, 2 threads, flash attention; type_v: the V cache's type when
+// it differs from K's (a mode's pair)
+inline llama_context_params test_ctx_params(ggml_type type, uint32_t n_seq_max = 1, bool unified = true,
+                                            ggml_type type_v = GGML_TYPE_COUNT) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx           = 512;
     cp.n_batch         = 512;
@@ -51,7 +52,12 @@ inline llama_context * make_ctx(llama_model * model, ggml_type type, uint32_t n_
     cp.type_v          = type_v == GGML_TYPE_COUNT ? type : type_v;
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
     cp.kv_unified      = unified;
-    return llama_init_from_model(model, cp);
+    return cp;
+}
+
+inline llama_context * make_ctx(llama_model * model, ggml_type type, uint32_t n_seq_max = 1, bool unified = true,
+                                ggml_type type_v = GGML_TYPE_COUNT) {
+    return llama_init_from_model(model, test_ctx_params(type, n_seq_max, unified, type_v));
 }
 
 // Decodes tokens [i0, i1) of seq at positions i0.., in pieces of `chunk`; returns the logits

@@ -446,11 +446,7 @@ void test_buffer_norms(report & rep, llama_model * model, const std::vector<llam
     for (auto * v : { &cap.k, &cap.v, &cap.k_ub, &cap.v_ub }) {
         v->resize(n_layer);
     }
-    llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = 512; cp.n_batch = 512; cp.n_ubatch = 512; cp.n_seq_max = 1;
-    cp.n_threads = 2; cp.n_threads_batch = 2;
-    cp.type_k = cp.type_v = GGML_TYPE_KVC4;
-    cp.flash_attn_type   = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    llama_context_params cp = test_ctx_params(GGML_TYPE_KVC4);
     cp.cb_eval           = capture_kv;
     cp.cb_eval_user_data = &cap;
     ctx_ptr c{ llama_init_from_model(model, cp) };
