@@ -8,28 +8,43 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 namespace kvc_test {
 
-// A test's model from its command line (the one argument), with llama's log cut to errors
-// and the backend up; nullptr after printing why (usage, or a file that does not load).
-inline llama_model * load_test_model(int argc, char ** argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s MODEL.gguf\n", argv[0]);
-        return nullptr;
-    }
+// A test's model from a file, with llama's log cut to errors and the backend up; nullptr
+// after printing why.
+inline llama_model * load_test_model_file(const char * path) {
     llama_log_set([](ggml_log_level level, const char * text, void *) {
         if (level == GGML_LOG_LEVEL_ERROR) {
             fputs(text, stderr);
         }
     }, nullptr);
     llama_backend_init();
-    llama_model * model = llama_model_load_from_file(argv[1], llama_model_default_params());
+    llama_model * model = llama_model_load_from_file(path, llama_model_default_params());
     if (!model) {
-        fprintf(stderr, "failed to load %s\n", argv[1]);
+        fprintf(stderr, "failed to load %s\n", path);
     }
     return model;
+}
+
+// The same from a test's command line (the one argument); nullptr also for a wrong usage.
+inline llama_model * load_test_model(int argc, char ** argv) {
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s MODEL.gguf\n", argv[0]);
+        return nullptr;
+    }
+    return load_test_model_file(argv[1]);
+}
+
+// The tokens of a test's text (BOS first), at most n_max of them.
+inline std::vector<llama_token> test_tokenize(const llama_model * model, const std::string & text, int32_t n_max) {
+    std::vector<llama_token> toks(n_max);
+    const int n = llama_tokenize(llama_model_get_vocab(model), text.c_str(), (int32_t) text.size(), toks.data(), n_max,
+                                 true, false);
+    toks.resize(std::max(n, 0));
+    return toks;
 }
 
 struct ctx_ptr {

@@ -174,25 +174,16 @@ int main(int argc, char ** argv) {
     }
     const double budget = argc > 2 ? std::atof(argv[2]) : 150.0;
     const uint32_t seed0 = argc > 3 ? (uint32_t) std::strtoul(argv[3], nullptr, 10) : 1;
-    llama_log_set([](ggml_log_level level, const char * text, void *) {
-        if (level == GGML_LOG_LEVEL_ERROR) {
-            fputs(text, stderr);
-        }
-    }, nullptr);
-    llama_backend_init();
-    llama_model * model = llama_model_load_from_file(argv[1], llama_model_default_params());
+    llama_model * model = load_test_model_file(argv[1]);
     if (!model) {
-        fprintf(stderr, "failed to load %s\n", argv[1]);
         return 2;
     }
     std::string prose;
     for (int i = 0; prose.size() < 4000; ++i) {
         prose += "Entry " + std::to_string(i) + ": the keeper logged the weather, the ships and the state of the lamp. ";
     }
-    std::vector<llama_token> toks(2048);
-    const int n = llama_tokenize(llama_model_get_vocab(model), prose.c_str(), (int32_t) prose.size(), toks.data(),
-                                 (int32_t) toks.size(), true, false);
-    toks.resize(std::max(n, 0));
+    std::vector<llama_token> toks = test_tokenize(model, prose, 2048);
+    const int n = (int) toks.size();
 
     report rep;
     rep.check(n >= 600, "prompt has %d tokens", n);

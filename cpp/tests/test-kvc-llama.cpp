@@ -1092,10 +1092,8 @@ int main(int argc, char ** argv) {
         text += "The cache stores keys and values for every token of every layer, and block " + std::to_string(i) +
                 " of the text repeats with a different number so that the tokens vary. ";
     }
-    std::vector<llama_token> toks(1024);
-    const llama_vocab * vocab = llama_model_get_vocab(model);
-    const int n = llama_tokenize(vocab, text.c_str(), (int32_t) text.size(), toks.data(), (int32_t) toks.size(), true, false);
-    toks.resize(std::max(n, 0));
+    std::vector<llama_token> toks = test_tokenize(model, text, 1024);
+    const int n = (int) toks.size();
 
     report rep;
     rep.check(n >= 300, "prompt has %d tokens", n);

@@ -505,10 +505,8 @@ int main(int argc, char ** argv) {
     for (int i = 0; text.size() < 1000; ++i) {
         text += "The monitor counts what it cannot measure, and block " + std::to_string(i) + " of the text varies. ";
     }
-    std::vector<llama_token> toks(512);
-    const int n = llama_tokenize(llama_model_get_vocab(model), text.c_str(), (int32_t) text.size(), toks.data(),
-                                 (int32_t) toks.size(), true, false);
-    toks.resize(std::max(n, 0));
+    std::vector<llama_token> toks = test_tokenize(model, text, 512);
+    const int n = (int) toks.size();
 
     report rep;
     rep.check(n >= N_PROMPT, "prompt has %d tokens", n);

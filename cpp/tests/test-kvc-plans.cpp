@@ -365,10 +365,8 @@ int main(int argc, char ** argv) {
         text += "Each layer keeps the keys of every token, and line " + std::to_string(i) +
                 " of this text names its own number so that the tokens differ from line to line. ";
     }
-    std::vector<llama_token> toks(1024);
-    const int n = llama_tokenize(llama_model_get_vocab(model), text.c_str(), (int32_t) text.size(), toks.data(),
-                                 (int32_t) toks.size(), true, false);
-    toks.resize(std::max(n, 0));
+    std::vector<llama_token> toks = test_tokenize(model, text, 1024);
+    const int n = (int) toks.size();
 
     report rep;
     rep.check(n >= 170 && write_stats_scaled(stats_a, "stats-b.gguf", 3.0f) &&

@@ -439,10 +439,8 @@ int main(int argc, char ** argv) {
     for (int i = 0; i < 6; ++i) {
         text += "Day " + std::to_string(i) + ": the keeper wrote down the wind, the tide and every ship that passed the point. ";
     }
-    std::vector<llama_token> toks(512);
-    const int n_tok = llama_tokenize(llama_model_get_vocab(model), text.c_str(), (int32_t) text.size(), toks.data(),
-                                     (int32_t) toks.size(), true, false);
-    toks.resize(std::max(n_tok, 0));
+    std::vector<llama_token> toks = test_tokenize(model, text, 512);
+    const int n_tok = (int) toks.size();
 
     report rep;
     rep.check(n_tok >= 2 * (N_PROMPT + N_CONT), "text has %d tokens", n_tok);

@@ -13,6 +13,7 @@
 #include "common.h"
 #include "log.h"
 #include "kvcomp-plans.h"
+#include "kvcomp-tool.h"
 
 #include "gguf.h"
 
@@ -281,11 +282,9 @@ int main(int argc, char ** argv) {
     params.cb_eval_user_data = &st;
     params.warmup            = false;
     common_init();
-    llama_backend_init();
-    auto init = common_init_from_params(params);
+    auto init = kvcomp_tool_context(params);
     llama_context * ctx = init->context();
     if (!ctx) {
-        LOG_ERR("failed to create the context\n");
         return 1;
     }
     const llama_model * model = llama_get_model(ctx);

@@ -34,6 +34,7 @@
 #include "common.h"
 #include "log.h"
 #include "kvc-transform.h"
+#include "kvcomp-tool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -521,17 +522,15 @@ int main(int argc, char ** argv) {
         return 1;
     }
     common_init();
-    llama_backend_init();
 
     ksim_coder exact;
     st.coder = &exact;
     params.cb_eval           = ksim_eval_cb;
     params.cb_eval_user_data = &st;
     params.warmup            = false;
-    auto init = common_init_from_params(params);
+    auto init = kvcomp_tool_context(params);
     llama_context * ctx = init->context();
     if (!ctx) {
-        LOG_ERR("failed to create the context\n");
         return 1;
     }
     const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));

@@ -9,6 +9,7 @@
 
 #include "arg.h"
 #include "common.h"
+#include "kvcomp-tool.h"
 #include "log.h"
 
 #include <cstdio>
@@ -89,7 +90,6 @@ int main(int argc, char ** argv) {
         return 1;
     }
     common_init();
-    llama_backend_init();
 
     const std::string prefix = params.out_file;
     rows_dump d;
@@ -104,10 +104,9 @@ int main(int argc, char ** argv) {
     params.cb_eval_user_data = &d;
     params.warmup            = false;
 
-    auto init = common_init_from_params(params);
+    auto init = kvcomp_tool_context(params);
     llama_context * ctx = init->context();
     if (!ctx) {
-        LOG_ERR("failed to create the context\n");
         return 1;
     }
     const llama_model * model = llama_get_model(ctx);

@@ -12,6 +12,7 @@
 
 #include "arg.h"
 #include "common.h"
+#include "kvcomp-tool.h"
 #include "llama-kvcomp.h"
 #include "log.h"
 
@@ -76,12 +77,9 @@ int main(int argc, char ** argv) {
         params.cb_eval_user_data = &ot;
     }
     common_init();
-    llama_backend_init();
-
-    auto init = common_init_from_params(params);
+    auto init = kvcomp_tool_context(params);
     llama_context * ctx = init->context();
     if (!ctx) {
-        LOG_ERR("failed to create the context\n");
         return 1;
     }
     const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
