@@ -1,7 +1,8 @@
 #pragma once
 
-// Helpers of the C++ tests that run a real model through llama (test-kvc-llama,
-// test-kvc-fuzz): contexts, decoding, and the KL divergence of logits.
+// Helpers of the C++ tests that run a real model through llama (test-kvc-llama, -fuzz,
+// -monitor, -plans, -state): the model, the text's tokens, contexts, decoding, and the KL
+// divergence of logits.
 
 #include "llama.h"
 
