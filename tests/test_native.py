@@ -1,5 +1,5 @@
 """Runs the C++ tests (cpp/tests) and requires every check in them to pass. test-kvc-llama gets
-SmolLM2; the differential fuzzer test-kvc-fuzz gets its F32 copy (on the Q4_1 file any kernel
+SmolLM2, test-kvc-batch SmolLM2 and its K statistics; the differential fuzzer test-kvc-fuzz gets its F32 copy (on the Q4_1 file any kernel
 change is a fresh draw of quantization noise, which would hide what the buffer does) and 120 s;
 the state-file fuzzer test-kvc-state gets SmolLM2 and 40 s, and writes its slot files in a
 temporary folder; test-kvc-plans gets SmolLM2 and its K statistics (`kvcomp calibrate`)."""
@@ -17,6 +17,7 @@ from ggml_kvcomp import calibrate, models
 # test: (model, its arguments after the model's path, whether the model's K statistics follow)
 MODELS: dict[str, tuple[str, list[str], bool]] = {
     "test-kvc-llama": ("smollm2-135m", [], False),
+    "test-kvc-batch": ("smollm2-135m", [], True),
     "test-kvc-fuzz": ("smollm2-135m-f32", ["120"], False),
     "test-kvc-state": ("smollm2-135m", ["40"], False),
     "test-kvc-plans": ("smollm2-135m", [], True),
@@ -24,8 +25,8 @@ MODELS: dict[str, tuple[str, list[str], bool]] = {
 
 
 @pytest.mark.parametrize("name", ["test-kvc-quants", "test-kvc-ops", "test-kvc-transform", "test-kvc-kvct",
-                                  "test-kvc-window", "test-kvc-llama", "test-kvc-fuzz", "test-kvc-state",
-                                  "test-kvc-plans"])
+                                  "test-kvc-window", "test-kvc-llama", "test-kvc-batch", "test-kvc-fuzz",
+                                  "test-kvc-state", "test-kvc-plans"])
 def test_cpp(bins: Path, name: str, tmp_path: Path) -> None:
     args = [str(bins / name)]
     if name in MODELS:

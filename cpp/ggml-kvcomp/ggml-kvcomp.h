@@ -62,6 +62,14 @@ GGML_API enum ggml_type ggml_kvcomp_type_from_name(const char * name);
 GGML_API void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_tensor * k_exact, struct ggml_tensor * v_exact,
                                             struct ggml_tensor * k_ubatch, struct ggml_tensor * v_ubatch);
 
+// The order in which the node takes its exact keys: I32 [>= slots + ubatch rows, streams], per
+// stream the keys (0 .. slots - 1: slots, then the ubatch's rows) in the order of the cells they
+// hold, -1 after the last. A key's turn then does not depend on whether it lies in a slot (a
+// decode step) or among the ubatch's rows (a prompt). Without one, slots then ubatch rows.
+// Carried by the node's exact K (a view there): the node has no source left.
+GGML_API void ggml_flash_attn_ext_set_exact_order(struct ggml_tensor * a, struct ggml_tensor * order);
+GGML_API const struct ggml_tensor * ggml_flash_attn_ext_get_exact_order(const struct ggml_tensor * a);
+
 // Whether a FLASH_ATTN_EXT node reads a second source (above).
 GGML_API bool ggml_flash_attn_ext_has_exact(const struct ggml_tensor * a);
 

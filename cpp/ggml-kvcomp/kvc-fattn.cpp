@@ -5,23 +5,13 @@
 // query tokens read them (into the plan's buffer, at most KVC_FA_SHARED_MAX bytes), else into
 // per-thread scratch.
 //
-// Two kernels, each with a scalar reference (params->use_ref) that the SIMD path is held to
-// (cpp/tests/test-kvc-ops.cpp):
-//  - decode (one query token per stream): a work item is (stream, KV head, key range); the
-//    query heads of the KV head are done together: a packed kvc K row is unpacked once and
-//    scored in integers against each query rounded to q8_0, any other K row and every V row
-//    is converted to F32 once for all the heads; the keys of all sources are split over the
-//    threads, each range written as a partial (running maximum, sum, unnormalized output)
-//    and the ranges combined in order;
-//  - prompt (several query tokens): a work item is (stream, KV head, block of query tokens);
-//    its rows (tokens x query heads, at most 64) meet 64-key tiles dequantized to F32 and
-//    multiplied as upstream's tiled F16 kernel does, so a kvc cache costs about what F16 does;
-//    the tiles are made once for all blocks (shared_tiles).
-// A kvct K cache (ggml_kvct_set_plans) is read through its KV head's plan (kvc-kvct-cpu.h):
-// a decode step scores a tile of its rows against the group's heads in one call
-// (kvc_t_decoder_dots, the rows decoded in registers), a prompt decodes each row to F32 once
-// for all the heads and query blocks of its KV head. (Scoring from the codes with AVX2 gathers, the query
-// permuted and scaled by the plan once, measured no faster on this machine's AMD EPYC.)
+// One kernel serves decode steps and prompts ("One arithmetic per query" below), with a scalar
+// reference (params->use_ref) that the SIMD path is held to (cpp/tests/test-kvc-ops.cpp). Its
+// rows (query tokens x the query heads of a KV head, at most 64) meet 64-key tiles of the main
+// cells dequantized to F32 and multiplied as upstream's tiled F16 kernel does; a prompt makes
+// the tiles once for all its blocks (shared_tiles). A kvct K cache (ggml_kvct_set_plans) is
+// read through its KV head's plan (kvc-kvct-cpu.h), each row decoded to F32 and turned to its
+// key's position by a walk that starts exact at the tile's first cell.
 
 #include "kvc-cpu.h"
 #include "kvc-kvct-cpu.h"
@@ -47,11 +37,7 @@ namespace {
 constexpr int64_t KVC_FA_TILE_Q  = GGML_FA_TILE_Q;  // prompt rows per tile (the plan sizes the scratch for these)
 constexpr int64_t KVC_FA_TILE_KV = GGML_FA_TILE_KV; // prompt keys per tile
 constexpr int64_t KVC_FA_PAD     = 16;              // floats between two threads' scratch (a cache line)
-constexpr int     KVC_DEC_TILE   = 32;              // decode keys per online-softmax step
-constexpr int64_t KVC_DEC_GROUP  = 16;              // decode query heads done together
-constexpr int64_t KVC_DEC_MAX_D  = 256;             // decode head size bound (stack buffers)
 constexpr int64_t KVC_MAX_ROW    = 1024;            // prompt K row bound (a stack row before the transpose)
-constexpr int64_t KVC_DEC_MIN_KEYS = 32;            // decode keys a range is worth splitting for
 constexpr int     KVC_FA_N_SRC   = 3;               // key sources of a node, one after the other
 constexpr int     KVC_FA_SRC_UBATCH = 2;            // the source of the ubatch's own exact rows
 constexpr size_t  KVC_FA_SHARED_MAX = (size_t) 256 << 20; // bytes of a prompt's shared tiles (shared_floats)
@@ -250,18 +236,6 @@ struct fa_src {
         }
     }
 
-    // d[g * KVC_DEC_TILE + i] = qf[g] . (kvct row j[i] of KV head hk in stream s), as row_f32 turns it
-    void dots(const int * j, int n, int64_t hk, int64_t s, const float * const * qf, int64_t gn, float * d,
-              kvc_t_rope_walk * walk) const {
-        const uint8_t * rows[KVC_DEC_TILE];
-        int64_t         p[KVC_DEC_TILE];
-        for (int i = 0; i < n; ++i) {
-            rows[i] = (const uint8_t *) row(j[i], hk, s);
-            p[i]    = rope ? key_pos(j[i], s) : 0;
-        }
-        kvc_t_decoder_dots(&plans[hk], rope ? walk : nullptr, rows, p, n, qf, (int32_t) gn, d, KVC_DEC_TILE);
-    }
-
     // the walk of this source's keys of KV head hk (unused without a RoPE)
     void walk_init(kvc_t_rope_walk & w, int64_t hk) const {
         if (rope) {
@@ -290,6 +264,8 @@ struct fa_node {
     const ggml_tensor * sinks;
     ggml_tensor *       dst;
     fa_src   k[KVC_FA_N_SRC], v[KVC_FA_N_SRC]; // main cells, exact slots, exact rows of the ubatch (F32 read as F16)
+    const int32_t * order = nullptr; // per stream, the exact keys in the order they are taken (-1 ends a list)
+    int64_t  order_ld = 0;
     int64_t  DK, DV, n_q, n_head, n_head_kv, n_stream, G, n_keys;
     float    scale, softcap, max_bias, m0, m1;
     uint32_t n_head_log2;
@@ -392,23 +368,33 @@ struct fa_units {
 };
 
 // ---------------------------------------------------------------------------------------
-// decode
+// One arithmetic per query
+//
+// A decode step (one query token per stream) and a prompt (blocks of query tokens) run the
+// same code on their rows, so a token's output does not depend on the ubatch it came in, nor
+// on whether it is decoded again after a cut-back:
+//  - the main cells are cut into segments of KVC_FA_SEG cells at fixed cell indices; a
+//    segment's 64-cell tiles are converted to F32 and met by the rows with simd_gemm, where
+//    every score and every output value is one chain of fused multiply-adds in a fixed order
+//    whatever the number of rows; each segment gives a (max, sum, output) of its own;
+//  - the exact keys (the slots and the ubatch's own rows) are taken per row in the node's
+//    order (the cells they hold, ggml_flash_attn_ext_set_exact_order), 32 visible keys at a
+//    time: a key read from a slot in a decode step is read from the ubatch's rows in a prompt,
+//    and neither where it lies nor which other keys are masked changes its turn;
+//  - the parts are combined in order: the segments, the exact keys, then the sinks.
+// A decode step spreads the parts of its rows over the threads and combines them after one
+// barrier; a prompt's work item does them one after the other.
 
-struct dec_state {
-    float M[KVC_DEC_GROUP];
-    float S[KVC_DEC_GROUP];
-    float acc[KVC_DEC_GROUP][KVC_DEC_MAX_D];
-    // the queries rounded to q8_0, for the integer dot products with packed kvc K rows
-    block_q8_0 q8[KVC_DEC_GROUP][KVC_DEC_MAX_D / QK8_0];
-};
+constexpr int64_t KVC_FA_SEG   = 256; // main cells per part (a multiple of KVC_FA_TILE_KV)
+constexpr int     KVC_FA_XTILE = 32;  // visible exact keys folded at a time
 
-static_assert(KVC_DEC_GROUP <= GGML_KVC_DOT_MULTI_MAX, "a packed K row is scored for all heads of a group at once");
-static_assert(KVC_DEC_GROUP <= KVC_T_DOTS_MAX_Q, "a kvct K row is scored for all heads of a group at once");
+static_assert(KVC_FA_SEG % KVC_FA_TILE_KV == 0, "a segment is whole tiles");
+static_assert(KVC_FA_XTILE <= KVC_FA_TILE_KV, "the exact keys' V rows fit the V tile");
 
-// acc[DV] += sum over the n rows i of w[i] * vt[i]: the accumulator stays in registers over
+// acc[DV] += sum over the n rows i of w[i] * vt[i * ld]: the accumulator stays in registers over
 // the tile's rows (ggml_vec_mad_f32 would load and store it once per row). Each element is
 // the same chain of fused multiply-adds at either width.
-void mad_rows(float * acc, const float (*vt)[KVC_DEC_MAX_D], const float * w, int n, int64_t DV, bool ref) {
+void mad_rows(float * acc, const float * vt, int64_t ld, const float * w, int n, int64_t DV, bool ref) {
 #if defined(__AVX512F__)
     if (!ref && DV % 32 == 0) {
         for (int64_t d0 = 0; d0 < DV; d0 += 32) {
@@ -416,8 +402,8 @@ void mad_rows(float * acc, const float (*vt)[KVC_DEC_MAX_D], const float * w, in
             __m512 a1 = _mm512_loadu_ps(acc + d0 + 16);
             for (int i = 0; i < n; ++i) {
                 const __m512 wi = _mm512_set1_ps(w[i]);
-                a0 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(vt[i] + d0), a0);
-                a1 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(vt[i] + d0 + 16), a1);
+                a0 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(vt + i * ld + d0), a0);
+                a1 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(vt + i * ld + d0 + 16), a1);
             }
             _mm512_storeu_ps(acc + d0, a0);
             _mm512_storeu_ps(acc + d0 + 16, a1);
@@ -433,7 +419,7 @@ void mad_rows(float * acc, const float (*vt)[KVC_DEC_MAX_D], const float * w, in
             __m256 a3 = _mm256_loadu_ps(acc + d0 + 24);
             for (int i = 0; i < n; ++i) {
                 const __m256  wi = _mm256_set1_ps(w[i]);
-                const float * vr = vt[i] + d0;
+                const float * vr = vt + i * ld + d0;
                 a0 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr +  0), a0);
                 a1 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr +  8), a1);
                 a2 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr + 16), a2);
@@ -448,238 +434,24 @@ void mad_rows(float * acc, const float (*vt)[KVC_DEC_MAX_D], const float * w, in
     }
 #endif
     for (int i = 0; i < n; ++i) {
-        mad_f32(acc, vt[i], w[i], DV, ref);
+        mad_f32(acc, vt + i * ld, w[i], DV, ref);
     }
 }
 
-// Keys [j0, j1) of source `is` (local indices; mask column off + j) for the gn query heads
-// (qf, mp, slopes) of KV head hk in stream s.
-void dec_range(const fa_node & a, int is, int64_t off, int64_t j0, int64_t j1, int64_t s, int64_t hk, int64_t gn,
-               const float * const * qf, const ggml_fp16_t * const * mp, const float * slopes, dec_state & st) {
-    const fa_src & K = a.k[is];
-    const fa_src & V = a.v[is];
-    const bool ref = a.ref;
-    const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, ref, is == KVC_FA_SRC_UBATCH);
-    const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref, is == KVC_FA_SRC_UBATCH);
-    const ggml_kvc_vec_dot_multi_t k_dot = K.plans ? nullptr : ggml_kvc_cpu_get_vec_dot_multi(K.type, ref);
-    const bool k_tile = K.plans && !ref; // kvct rows: decoded and scored a tile at a time
-    const int64_t DK = a.DK, DV = a.DV;
-    const bool shared_mask = !a.mask || (a.mask->ne[2] == 1 && a.max_bias <= 0.0f);
-
-    float sc[KVC_DEC_GROUP][KVC_DEC_TILE];
-    // key j of the tile gets its dot products d[g * stride] as scores, where a head sees it
-    const auto put_scores = [&](int j, const float * d, int64_t stride) {
-        for (int64_t g = 0; g < gn; ++g) {
-            if (sc[g][j] != -INFINITY) {
-                sc[g][j] = a.score(d[g * stride], sc[g][j]);
-            }
-        }
-    };
-    float kt[KVC_DEC_MAX_D];
-    kvc_t_rope_walk walk;
-    K.walk_init(walk, hk);
-    float vt[KVC_DEC_TILE][KVC_DEC_MAX_D];
-    const size_t k_bytes = ggml_row_size(K.type, DK), v_bytes = ggml_row_size(V.type, DV);
-
-    for (int64_t t0 = j0; t0 < j1; t0 += KVC_DEC_TILE) {
-        const int n = (int) std::min<int64_t>(KVC_DEC_TILE, j1 - t0);
-
-        // The next tile's K and V rows are asked for now. A decode step reads each layer's rows
-        // once, from memory, and a packed row is read in less time than a miss takes, so the
-        // hardware's prefetch alone left a kvct node at 1.3x F16's time inside a model against
-        // 1.0x with its rows in cache (docs/results.md). Written out here: GCC took a helper
-        // holding only prefetches for a function without effects and dropped its calls.
-        for (int64_t j = t0 + n; j < std::min(t0 + n + KVC_DEC_TILE, j1); ++j) {
-            const char * kr = K.row(j, hk, s);
-            const char * vr = V.row(j, hk, s);
-            for (size_t b = 0; b < k_bytes; b += 64) {
-                kvc_prefetch(kr + b);
-            }
-            for (size_t b = 0; b < v_bytes; b += 64) {
-                kvc_prefetch(vr + b);
-            }
-            kvc_prefetch(kr + k_bytes - 1);
-            kvc_prefetch(vr + v_bytes - 1);
-        }
-        int kl[KVC_DEC_TILE]; // kvct keys some head sees, scored together below
-        int n_kl = 0;
-
-        for (int j = 0; j < n; ++j) {
-            const int64_t col = off + t0 + j;
-            bool any = false;
-            for (int64_t g = 0; g < gn; ++g) {
-                const float mv = mp[g] ? (shared_mask && g > 0 ? sc[0][j] : slopes[g] * GGML_CPU_FP16_TO_FP32(mp[g][col])) : 0.0f;
-                sc[g][j] = mv;
-                any |= mv != -INFINITY;
-            }
-            if (!any) {
-                continue;
-            }
-            if (k_tile) {
-                kl[n_kl++] = (int) (t0 + j);
-                continue;
-            }
-            if (k_dot) {
-                // A packed row meets the query rounded to q8_0 in integers, as upstream scores
-                // its quantized K caches, with no F32 copy of the row (the prompt kernel keeps
-                // F32 queries; test-kvc-llama bounds what the two differ).
-                float d[KVC_DEC_GROUP];
-                k_dot((int) DK, d, K.row(t0 + j, hk, s), st.q8, sizeof(st.q8[0]), (int) gn);
-                put_scores(j, d, 1);
-                continue;
-            }
-            // decoded once for all heads
-            K.row_f32(k_to_f32, t0 + j, hk, s, kt, DK, &walk);
-            float d[KVC_DEC_GROUP];
-            dot_multi_f32(kt, qf, gn, DK, d, ref);
-            put_scores(j, d, 1);
-        }
-
-        if (n_kl > 0) {
-            float d[KVC_DEC_GROUP][KVC_DEC_TILE];
-            K.dots(kl, n_kl, hk, s, qf, gn, d[0], &walk);
-            for (int i = 0; i < n_kl; ++i) {
-                put_scores((int) (kl[i] - t0), &d[0][i], KVC_DEC_TILE);
-            }
-        }
-
-        for (int64_t g = 0; g < gn; ++g) {
-            fold_tile(sc[g], n, st.M[g], st.S[g], st.acc[g], DV, ref);
-        }
-
-        // the tile's V rows are decoded once for all heads
-        int live[KVC_DEC_TILE];
-        int n_live = 0;
-        for (int j = 0; j < n; ++j) {
-            bool any = false;
-            for (int64_t g = 0; g < gn; ++g) {
-                any |= sc[g][j] != 0.0f;
-            }
-            if (any) {
-                v_to_f32(V.row(t0 + j, hk, s), vt[n_live], DV);
-                live[n_live++] = j;
-            }
-        }
-        for (int64_t g = 0; g < gn; ++g) {
-            float w[KVC_DEC_TILE];
-            for (int i = 0; i < n_live; ++i) {
-                w[i] = sc[g][live[i]];
-            }
-            mad_rows(st.acc[g], vt, w, n_live, DV, ref);
-        }
-    }
-}
-
-// Global keys [c0, c1) of both sources for query heads h0 .. h0 + gn - 1 (of KV head hk) of
-// stream s; writes a partial per head (part_stride apart) or, without one, the output rows.
-void dec_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, int64_t c0, int64_t c1,
-              float * part, int64_t part_stride) {
-    const bool ref = a.ref;
-
-    const float *       qf[KVC_DEC_GROUP] = {};
-    const ggml_fp16_t * mp[KVC_DEC_GROUP] = {};
-    float               slopes[KVC_DEC_GROUP] = {};
-    dec_state           st;
-    bool                q8 = false;
-    for (int is = 0; is < KVC_FA_N_SRC; ++is) {
-        q8 |= a.k[is].n > 0 && ggml_kvcomp_is_kvc(a.k[is].type);
-    }
-
-    for (int64_t g = 0; g < gn; ++g) {
-        const int64_t h = h0 + g;
-        qf[g] = a.q_row(0, h, s);
-        mp[g]     = a.mask_row(0, h, s);
-        slopes[g] = a.slope(h);
-        st.M[g]   = -INFINITY;
-        st.S[g]   = 0.0f;
-        memset(st.acc[g], 0, a.DV * sizeof(float));
-        if (q8 && ref) {
-            quantize_row_q8_0_ref(qf[g], st.q8[g], a.DK);
-        } else if (q8) {
-            quantize_row_q8_0(qf[g], st.q8[g], a.DK);
-        }
-    }
-
-    // the range [c0, c1) of keys numbered across the sources
-    int64_t off = 0;
-    for (int is = 0; is < KVC_FA_N_SRC; off += a.k[is].n, ++is) {
-        const int64_t j0 = std::max(c0, off) - off;
-        const int64_t j1 = std::min(c1, off + a.k[is].n) - off;
-        if (j0 < j1) {
-            dec_range(a, is, off, j0, j1, s, hk, gn, qf, mp, slopes, st);
-        }
-    }
-
-    for (int64_t g = 0; g < gn; ++g) {
-        const int64_t h = h0 + g;
-        if (a.sinks && c0 == 0) {
-            add_sink(((const float *) a.sinks->data)[h], st.M[g], st.S[g], st.acc[g], a.DV, ref);
-        }
-        if (part) {
-            float * p = part + (s * a.n_head + h) * part_stride;
-            p[0] = st.M[g];
-            p[1] = st.S[g];
-            memcpy(p + 2, st.acc[g], a.DV * sizeof(float));
-        } else {
-            write_row(a.out_row(0, h, s), st.acc[g], st.S[g], a.DV);
-        }
-    }
-}
-
-void fa_decode(const ggml_compute_params * params, const fa_node & a) {
-    const int ith = params->ith;
-    const int nth = params->nth;
-
-    const fa_units units(a, KVC_DEC_GROUP);
-    const int64_t  n_units = units.n;
-
-    // Key ranges per unit: just enough that every thread gets the same number of items, while a
-    // range keeps some keys and the partials fit the plan's scratch.
-    const int64_t part_size = 2 + a.DV;
-    const int64_t max_parts = (int64_t) (params->wsize / sizeof(float)) / (a.n_stream * a.n_head * part_size);
-    int64_t n_chunks = nth / std::gcd((int64_t) nth, n_units);
-    n_chunks = std::min(n_chunks, std::max<int64_t>(1, a.n_keys / KVC_DEC_MIN_KEYS));
-    n_chunks = std::max<int64_t>(1, std::min(n_chunks, max_parts));
-
-    float * parts = n_chunks > 1 ? (float *) params->wdata : nullptr;
-    const int64_t n_items = n_units * n_chunks;
-    for (int64_t i = ith; i < n_items; i += nth) {
-        const fa_units::unit u = units.at(a, i % n_units);
-        const int64_t chunk = i / n_units;
-        const int64_t c0 = a.n_keys * chunk / n_chunks;
-        const int64_t c1 = a.n_keys * (chunk + 1) / n_chunks;
-        dec_item(a, u.s, u.hk, u.h0, u.gn, c0, c1, parts ? parts + chunk * part_size : nullptr, n_chunks * part_size);
-    }
-    if (!parts) {
+// Folds a part's (pM, pS, pacc) into a running (M, S, acc); a part that saw nothing is left out.
+void combine(float & M, float & S, float * acc, float pM, float pS, const float * pacc, int64_t DV) {
+    if (pS == 0.0f) {
         return;
     }
-
-    ggml_barrier(params->threadpool);
-
-    float acc[KVC_DEC_MAX_D];
-    for (int64_t r = ith; r < a.n_stream * a.n_head; r += nth) {
-        float M = -INFINITY, S = 0.0f;
-        memset(acc, 0, a.DV * sizeof(float));
-        for (int64_t c = 0; c < n_chunks; ++c) {
-            const float * p = parts + (r * n_chunks + c) * part_size;
-            if (p[1] == 0.0f) {
-                continue;
-            }
-            const float Mn = std::max(M, p[0]);
-            const float so = expf(M - Mn);
-            const float sn = expf(p[0] - Mn);
-            for (int64_t i = 0; i < a.DV; ++i) {
-                acc[i] = acc[i] * so + p[2 + i] * sn;
-            }
-            S = S * so + p[1] * sn;
-            M = Mn;
-        }
-        write_row(a.out_row(0, r % a.n_head, r / a.n_head), acc, S, a.DV);
+    const float Mn = std::max(M, pM);
+    const float so = expf(M - Mn);
+    const float sn = expf(pM - Mn);
+    for (int64_t i = 0; i < DV; ++i) {
+        acc[i] = acc[i] * so + pacc[i] * sn;
     }
+    S = S * so + pS * sn;
+    M = Mn;
 }
-
-// ---------------------------------------------------------------------------------------
-// prompt
 
 size_t prompt_scratch_floats(int64_t DK, int64_t DV) {
     return KVC_FA_TILE_Q * DK + 2 * KVC_FA_TILE_Q * KVC_FA_TILE_KV + KVC_FA_TILE_Q * DV + KVC_FA_TILE_KV * DV +
@@ -710,48 +482,42 @@ void k_tile_f32(const fa_src & K, row_to_f32_t to_f32, int64_t j0, int nk, int64
     }
 }
 
-// Every source's K and V tiles, converted once per node for all blocks of query tokens, in
-// the plan's buffer: per source, K [stream][KV head][tile][DK][TK], then V [stream][KV
-// head][tile][TK][DV]. A block converting every tile it sees again is what made prompts over a
-// kvct cache slower than over kvc4, and a prompt at depth 0 (the ubatch's exact rows read as
-// F16) slower than over F16: a 512-token ubatch of 3 or 4 query heads per KV head is 25-32 blocks.
+// The main cells' K and V tiles, converted once per node for all blocks of query tokens, in
+// the plan's buffer: K [stream][KV head][tile][DK][TK], then V [stream][KV head][tile][TK][DV].
+// A block converting every tile it sees again is what made prompts over a kvct cache slower
+// than over kvc4: a 512-token ubatch of 3 or 4 query heads per KV head is 25-32 blocks.
 struct shared_tiles {
-    int64_t n_tiles[KVC_FA_N_SRC] = {}; // per stream and KV head
-    float * k[KVC_FA_N_SRC] = {};       // nullptr: each block converts the tiles it sees
-    float * v[KVC_FA_N_SRC] = {};
-    int64_t n_sk[KVC_FA_N_SRC] = {}, n_sv[KVC_FA_N_SRC] = {}; // streams of each source's K and V
+    int64_t n_tiles = 0;         // per stream and KV head
+    float * k = nullptr;         // nullptr: each block converts the tiles it sees
+    float * v = nullptr;
+    int64_t n_sk = 0, n_sv = 0;  // streams of K and V
     int64_t n_head_kv = 0, DK = 0, DV = 0;
 
-    // Lays the sources' tiles out from p (none: only counts); returns the floats they take.
-    size_t layout(const fa_src * ks, const fa_src * vs, int64_t n_stream, int64_t n_head_kv_, int64_t DK_, int64_t DV_,
-                  float * p) {
+    // Lays the tiles out from p (none: only counts); returns the floats they take.
+    size_t layout(const fa_src & ks, const fa_src & vs, int64_t n_stream, int64_t n_head_kv_, int64_t DK_, int64_t DV_, float * p) {
         n_head_kv = n_head_kv_;
         DK = DK_;
         DV = DV_;
-        size_t off = 0;
-        for (int is = 0; is < KVC_FA_N_SRC; ++is) {
-            n_tiles[is] = (ks[is].n + KVC_FA_TILE_KV - 1) / KVC_FA_TILE_KV;
-            n_sk[is] = ks[is].n ? n_stream / ks[is].r3 : 0;
-            n_sv[is] = ks[is].n ? n_stream / vs[is].r3 : 0;
-            k[is] = p ? p + off : nullptr;
-            off += (size_t) (n_sk[is] * n_head_kv * n_tiles[is] * KVC_FA_TILE_KV * DK);
-            v[is] = p ? p + off : nullptr;
-            off += (size_t) (n_sv[is] * n_head_kv * n_tiles[is] * KVC_FA_TILE_KV * DV);
-        }
-        return off;
+        n_tiles = (ks.n + KVC_FA_TILE_KV - 1) / KVC_FA_TILE_KV;
+        n_sk = ks.n ? n_stream / ks.r3 : 0;
+        n_sv = ks.n ? n_stream / vs.r3 : 0;
+        const size_t nk = (size_t) (n_sk * n_head_kv * n_tiles * KVC_FA_TILE_KV * DK);
+        k = p;
+        v = p ? p + nk : nullptr;
+        return nk + (size_t) (n_sv * n_head_kv * n_tiles * KVC_FA_TILE_KV * DV);
     }
 
-    const float * k_tile(int is, int64_t sk, int64_t hk, int64_t j0) const {
-        return k[is] + ((sk * n_head_kv + hk) * n_tiles[is] + j0 / KVC_FA_TILE_KV) * KVC_FA_TILE_KV * DK;
+    const float * k_tile(int64_t sk, int64_t hk, int64_t j0) const {
+        return k + ((sk * n_head_kv + hk) * n_tiles + j0 / KVC_FA_TILE_KV) * KVC_FA_TILE_KV * DK;
     }
-    const float * v_tile(int is, int64_t sv, int64_t hk, int64_t j0) const {
-        return v[is] + ((sv * n_head_kv + hk) * n_tiles[is] + j0 / KVC_FA_TILE_KV) * KVC_FA_TILE_KV * DV;
+    const float * v_tile(int64_t sv, int64_t hk, int64_t j0) const {
+        return v + ((sv * n_head_kv + hk) * n_tiles + j0 / KVC_FA_TILE_KV) * KVC_FA_TILE_KV * DV;
     }
 };
 
 // Floats of the shared tiles: 0 when a node has one block of query tokens per KV head (nothing
 // to share) and past KVC_FA_SHARED_MAX bytes (a long context keeps the per-block conversion).
-size_t shared_floats(const fa_src * ks, const fa_src * vs, int64_t n_stream, int64_t n_head_kv, int64_t DK, int64_t DV,
+size_t shared_floats(const fa_src & ks, const fa_src & vs, int64_t n_stream, int64_t n_head_kv, int64_t DK, int64_t DV,
                      int64_t n_q, int64_t G) {
     if (n_q <= prompt_block(fa_units(G, 1, n_head_kv, KVC_FA_TILE_Q))) {
         return 0;
@@ -770,104 +536,250 @@ void v_tile_f32(const fa_src & V, row_to_f32_t to_f32, int64_t j0, int nk, int64
         memset(V32 + nk * DV, 0, (size_t) (KVC_FA_TILE_KV - nk) * DV * sizeof(float));
     }
 }
+// The rows of a work item: query tokens [t0, t1) x query heads h0 .. h0 + gn - 1 of KV head hk
+// in stream s, row r = (t - t0) * gn + g; and this thread's scratch (prompt_scratch_floats).
+struct fa_rows {
+    int64_t s, hk, h0, gn, t0, t1;
+    float * Qt;  // [R][DK] the queries
+    float * KQ;  // [R][TK] scores, then probabilities
+    float * MK;  // [R][TK] mask times slope
+    float * VKQ; // [R][DV] a part's output
+    float * V32; // [TK][DV]
+    float * K32; // [DK][TK], a tile transposed
+    float   M[KVC_FA_TILE_Q], S[KVC_FA_TILE_Q]; // a part's maximum and sum per row
 
-// Query tokens [t0, t1) x query heads h0 .. h0 + gn - 1 of KV head hk in stream s, as the rows
-// r = (t - t0) * gn + g of one tile; scratch: this thread's part of the plan's buffer; sh:
-// the sources' tiles when the node shares them.
-void prompt_item(const fa_node & a, int64_t s, int64_t hk, int64_t h0, int64_t gn, int64_t t0, int64_t t1, float * scratch,
-                 const shared_tiles & sh) {
-    const bool    ref = a.ref;
-    const int64_t DK = a.DK, DV = a.DV;
-    const int64_t TQ = KVC_FA_TILE_Q, TK = KVC_FA_TILE_KV;
-    const int     R  = (int) ((t1 - t0) * gn);
-
-    float * Qt  = scratch;           // [R][DK]
-    float * KQ  = Qt + TQ * DK;      // [R][TK] scores, then probabilities
-    float * MK  = KQ + TQ * TK;      // [R][TK] mask times slope
-    float * VKQ = MK + TQ * TK;      // [R][DV]
-    float * V32 = VKQ + TQ * DV;     // [TK][DV]
-    float * K32 = V32 + TK * DV;     // [DK][TK], the tile transposed
-
-    float M[KVC_FA_TILE_Q], S[KVC_FA_TILE_Q], slope[KVC_FA_TILE_Q];
-    const ggml_fp16_t * mp[KVC_FA_TILE_Q];
-    for (int r = 0; r < R; ++r) {
-        const int64_t t = t0 + r / gn;
-        const int64_t h = h0 + r % gn;
-        memcpy(Qt + r * DK, a.q_row(t, h, s), DK * sizeof(float));
-        mp[r]    = a.mask_row(t, h, s);
-        slope[r] = a.slope(h);
-        M[r] = -INFINITY;
-        S[r] = 0.0f;
+    fa_rows(const fa_node & a, const fa_units::unit & u, int64_t t0_, int64_t t1_, float * scratch) :
+        s(u.s), hk(u.hk), h0(u.h0), gn(u.gn), t0(t0_), t1(t1_) {
+        Qt  = scratch;
+        KQ  = Qt + KVC_FA_TILE_Q * a.DK;
+        MK  = KQ + KVC_FA_TILE_Q * KVC_FA_TILE_KV;
+        VKQ = MK + KVC_FA_TILE_Q * KVC_FA_TILE_KV;
+        V32 = VKQ + KVC_FA_TILE_Q * a.DV;
+        K32 = V32 + KVC_FA_TILE_KV * a.DV;
+        for (int r = 0; r < n(); ++r) {
+            memcpy(Qt + r * a.DK, a.q_row(token(r), head(r), s), a.DK * sizeof(float));
+        }
     }
-    memset(VKQ, 0, (size_t) R * DV * sizeof(float));
 
-    int64_t off = 0;
-    for (int is = 0; is < KVC_FA_N_SRC; off += a.k[is].n, ++is) {
-        const fa_src & K = a.k[is];
-        const fa_src & V = a.v[is];
-        if (K.n == 0) {
+    int     n() const { return (int) ((t1 - t0) * gn); }
+    int64_t token(int r) const { return t0 + r / gn; }
+    int64_t head(int r) const { return h0 + r % gn; }
+
+    void reset(int64_t DV) {
+        for (int r = 0; r < n(); ++r) {
+            M[r] = -INFINITY;
+            S[r] = 0.0f;
+        }
+        memset(VKQ, 0, (size_t) n() * DV * sizeof(float));
+    }
+};
+
+// The main cells [c0, c1) (one segment) for the rows: their part in rows.M, S and VKQ.
+void main_part(const fa_node & a, fa_rows & rows, int64_t c0, int64_t c1, const shared_tiles & sh) {
+    const bool     ref = a.ref;
+    const fa_src & K = a.k[0];
+    const fa_src & V = a.v[0];
+    const int64_t  DK = a.DK, DV = a.DV, TK = KVC_FA_TILE_KV;
+    const int      R = rows.n();
+    const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, ref);
+    const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref);
+
+    const ggml_fp16_t * mp[KVC_FA_TILE_Q];
+    float slope[KVC_FA_TILE_Q];
+    for (int r = 0; r < R; ++r) {
+        mp[r]    = a.mask_row(rows.token(r), rows.head(r), rows.s);
+        slope[r] = a.slope(rows.head(r));
+    }
+    rows.reset(DV);
+
+    for (int64_t j0 = c0; j0 < c1; j0 += TK) {
+        const int nk = (int) std::min(TK, c1 - j0);
+        bool skip = true;
+        for (int r = 0; r < R; ++r) {
+            float * mk = rows.MK + r * TK;
+            for (int c = 0; c < nk; ++c) {
+                mk[c] = mp[r] ? slope[r] * GGML_CPU_FP16_TO_FP32(mp[r][j0 + c]) : 0.0f;
+                skip &= mk[c] == -INFINITY;
+            }
+            for (int c = nk; c < TK; ++c) {
+                mk[c] = -INFINITY;
+            }
+        }
+        if (skip) {
             continue;
         }
-        const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, ref, is == KVC_FA_SRC_UBATCH);
-        const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref, is == KVC_FA_SRC_UBATCH);
-        kvc_t_rope_walk walk;
-        K.walk_init(walk, hk);
 
-        for (int64_t j0 = 0; j0 < K.n; j0 += TK) {
-            const int nk = (int) std::min(TK, K.n - j0);
+        // a K tile walks its RoPE angles from an exact start at its first cell, as a shared one does
+        const float * Kt = rows.K32;
+        if (sh.k) {
+            Kt = sh.k_tile(rows.s / K.r3, rows.hk, j0);
+        } else {
+            kvc_t_rope_walk walk;
+            K.walk_init(walk, rows.hk);
+            k_tile_f32(K, k_to_f32, j0, nk, rows.hk, rows.s, DK, &walk, rows.K32);
+        }
+        memset(rows.KQ, 0, (size_t) R * TK * sizeof(float));
+        gemm_f32(rows.KQ, rows.Qt, Kt, R, (int) DK, (int) TK, ref);
 
-            bool skip = true;
-            for (int r = 0; r < R; ++r) {
-                float * mk = MK + r * TK;
-                for (int c = 0; c < nk; ++c) {
-                    mk[c] = mp[r] ? slope[r] * GGML_CPU_FP16_TO_FP32(mp[r][off + j0 + c]) : 0.0f;
-                    skip &= mk[c] == -INFINITY;
-                }
-                for (int c = nk; c < TK; ++c) {
-                    mk[c] = -INFINITY;
-                }
+        for (int r = 0; r < R; ++r) {
+            float * kq = rows.KQ + r * TK;
+            const float * mk = rows.MK + r * TK;
+            for (int c = 0; c < TK; ++c) {
+                kq[c] = mk[c] == -INFINITY ? -INFINITY : a.score(kq[c], mk[c]);
             }
-            if (skip) {
+            fold_tile(kq, (int) TK, rows.M[r], rows.S[r], rows.VKQ + r * DV, DV, ref);
+        }
+
+        const float * Vt = rows.V32;
+        if (sh.v) {
+            Vt = sh.v_tile(rows.s / V.r3, rows.hk, j0);
+        } else {
+            v_tile_f32(V, v_to_f32, j0, nk, rows.hk, rows.s, DV, rows.V32);
+        }
+        gemm_f32(rows.VKQ, rows.KQ, Vt, R, (int) TK, (int) DV, ref);
+    }
+}
+
+// The exact keys (the slots, then the ubatch's rows: keys e of [0, n1 + n2)) for the rows,
+// each row's visible keys in the node's order: their part in rows.M, S and VKQ.
+void exact_part(const fa_node & a, fa_rows & rows) {
+    const bool    ref = a.ref;
+    const int64_t DK = a.DK, DV = a.DV;
+    const int64_t n1 = a.k[1].n, n_x = n1 + a.k[2].n, off = a.k[0].n;
+    const int32_t * order = a.order ? a.order + rows.s * a.order_ld : nullptr;
+    const row_to_f32_t k_to_f32[2] = { get_row_to_f32(a.k[1].type, ref), get_row_to_f32(a.k[2].type, ref, true) };
+    const row_to_f32_t v_to_f32[2] = { get_row_to_f32(a.v[1].type, ref), get_row_to_f32(a.v[2].type, ref, true) };
+    float * kt = rows.K32;
+    rows.reset(DV);
+
+    for (int r = 0; r < rows.n(); ++r) {
+        const int64_t h = rows.head(r);
+        const ggml_fp16_t * mp = a.mask_row(rows.token(r), h, rows.s);
+        const float slope = a.slope(h);
+        const float * q = rows.Qt + r * DK;
+        float * acc = rows.VKQ + r * DV;
+        float   sc[KVC_FA_XTILE];
+        int64_t keys[KVC_FA_XTILE];
+        int     n = 0;
+        const auto flush = [&]() {
+            fold_tile(sc, n, rows.M[r], rows.S[r], acc, DV, ref);
+            for (int i = 0; i < n; ++i) {
+                const int p = keys[i] < n1 ? 0 : 1;
+                v_to_f32[p](a.v[1 + p].row(keys[i] - p * n1, rows.hk, rows.s), rows.V32 + i * DV, DV);
+            }
+            mad_rows(acc, rows.V32, DV, sc, n, DV, ref);
+            n = 0;
+        };
+        for (int64_t i = 0; i < n_x; ++i) {
+            const int64_t e = order ? order[i] : i;
+            if (e < 0) {
+                break;
+            }
+            const float mv = mp ? slope * GGML_CPU_FP16_TO_FP32(mp[off + e]) : 0.0f;
+            if (mv == -INFINITY) {
                 continue;
             }
-
-            const bool    shared = sh.k[is] != nullptr;
-            const float * Kt = K32;
-            if (shared) {
-                Kt = sh.k_tile(is, s / K.r3, hk, j0);
-            } else {
-                k_tile_f32(K, k_to_f32, j0, nk, hk, s, DK, &walk, K32);
+            const int p = e < n1 ? 0 : 1;
+            k_to_f32[p](a.k[1 + p].row(e - p * n1, rows.hk, rows.s), kt, DK);
+            sc[n]     = a.score(dot_f32(kt, q, DK, ref), mv);
+            keys[n++] = e;
+            if (n == KVC_FA_XTILE) {
+                flush();
             }
-            memset(KQ, 0, (size_t) R * TK * sizeof(float));
-            gemm_f32(KQ, Qt, Kt, R, (int) DK, (int) TK, ref);
+        }
+        if (n > 0) {
+            flush();
+        }
+    }
+}
 
-            for (int r = 0; r < R; ++r) {
-                float * kq = KQ + r * TK;
-                const float * mk = MK + r * TK;
-                for (int c = 0; c < TK; ++c) {
-                    kq[c] = mk[c] == -INFINITY ? -INFINITY : a.score(kq[c], mk[c]);
-                }
-                fold_tile(kq, (int) TK, M[r], S[r], VKQ + r * DV, DV, ref);
-            }
+// parts of a node's keys: the main cells' segments, then the exact keys
+int64_t n_segments(const fa_src * ks) {
+    return (ks[0].n + KVC_FA_SEG - 1) / KVC_FA_SEG;
+}
+int64_t n_parts(const fa_src * ks) {
+    return n_segments(ks) + (ks[1].n + ks[2].n > 0 ? 1 : 0);
+}
 
-            const float * Vt = V32;
-            if (shared) {
-                Vt = sh.v_tile(is, s / V.r3, hk, j0);
-            } else {
-                v_tile_f32(V, v_to_f32, j0, nk, hk, s, DV, V32);
-            }
-            gemm_f32(VKQ, KQ, Vt, R, (int) TK, (int) DV, ref);
+// part p of the rows' keys into rows.M, S and VKQ
+void run_part(const fa_node & a, fa_rows & rows, int64_t p, const shared_tiles & sh) {
+    if (p < n_segments(a.k)) {
+        main_part(a, rows, p * KVC_FA_SEG, std::min(a.k[0].n, (p + 1) * KVC_FA_SEG), sh);
+    } else {
+        exact_part(a, rows);
+    }
+}
+
+// The end of a row: the sinks, then out = acc / S (zeros when nothing was visible).
+void finish_row(const fa_node & a, int64_t h, float & M, float & S, float * acc) {
+    if (a.sinks) {
+        add_sink(((const float *) a.sinks->data)[h], M, S, acc, a.DV, a.ref);
+    }
+    write_row(acc, acc, S, a.DV);
+}
+
+// One query token per stream: the (unit, part) items go round the threads, each writes its
+// rows' partials, and after a barrier each output row combines its partials in order.
+void fa_decode(const ggml_compute_params * params, const fa_node & a) {
+    const int ith = params->ith;
+    const int nth = params->nth;
+
+    const size_t per_thread = prompt_scratch_floats(a.DK, a.DV);
+    const fa_units units(a, KVC_FA_TILE_Q);
+    const int64_t  n_p       = n_parts(a.k);
+    const int64_t  part_size = 2 + a.DV;
+    GGML_ASSERT(params->wsize >= (per_thread * nth + (size_t) (a.n_stream * a.n_head * n_p * part_size)) * sizeof(float) &&
+                "kvcomp: flash attention scratch too small");
+    float * scratch = (float *) params->wdata + per_thread * ith;
+    float * parts   = (float *) params->wdata + per_thread * nth;
+    const shared_tiles none;
+
+    for (int64_t i = ith; i < units.n * n_p; i += nth) {
+        fa_rows rows(a, units.at(a, i % units.n), 0, 1, scratch);
+        const int64_t p = i / units.n;
+        run_part(a, rows, p, none);
+        for (int r = 0; r < rows.n(); ++r) {
+            float * d = parts + ((rows.s * a.n_head + rows.head(r)) * n_p + p) * part_size;
+            d[0] = rows.M[r];
+            d[1] = rows.S[r];
+            memcpy(d + 2, rows.VKQ + r * a.DV, a.DV * sizeof(float));
         }
     }
 
-    for (int r = 0; r < R; ++r) {
-        const int64_t t = t0 + r / gn;
-        const int64_t h = h0 + r % gn;
-        float * acc = VKQ + r * DV;
-        if (a.sinks) {
-            add_sink(((const float *) a.sinks->data)[h], M[r], S[r], acc, DV, ref);
+    ggml_barrier(params->threadpool);
+
+    for (int64_t row = ith; row < a.n_stream * a.n_head; row += nth) {
+        float * out = a.out_row(0, row % a.n_head, row / a.n_head);
+        float M = -INFINITY, S = 0.0f;
+        memset(out, 0, a.DV * sizeof(float));
+        for (int64_t p = 0; p < n_p; ++p) {
+            const float * d = parts + (row * n_p + p) * part_size;
+            combine(M, S, out, d[0], d[1], d + 2, a.DV);
         }
-        write_row(a.out_row(t, h, s), acc, S[r], DV);
+        finish_row(a, row % a.n_head, M, S, out);
+    }
+}
+
+// Several query tokens: a work item is (unit, block of query tokens); it runs the parts one
+// after the other, combining them in its output rows.
+void prompt_item(const fa_node & a, const fa_units::unit & u, int64_t t0, int64_t t1, float * scratch, const shared_tiles & sh) {
+    fa_rows rows(a, u, t0, t1, scratch);
+    const int R = rows.n();
+    float M[KVC_FA_TILE_Q], S[KVC_FA_TILE_Q];
+    for (int r = 0; r < R; ++r) {
+        M[r] = -INFINITY;
+        S[r] = 0.0f;
+        memset(a.out_row(rows.token(r), rows.head(r), rows.s), 0, a.DV * sizeof(float));
+    }
+    const int64_t n_p = n_parts(a.k);
+    for (int64_t p = 0; p < n_p; ++p) {
+        run_part(a, rows, p, sh);
+        for (int r = 0; r < R; ++r) {
+            combine(M[r], S[r], a.out_row(rows.token(r), rows.head(r), rows.s), rows.M[r], rows.S[r], rows.VKQ + r * a.DV, a.DV);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        finish_row(a, rows.head(r), M[r], S[r], a.out_row(rows.token(r), rows.head(r), rows.s));
     }
 }
 
@@ -884,36 +796,31 @@ void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
     const int64_t  n_qb    = (a.n_q + qb - 1) / qb;
     const int64_t  n_items = units.n * n_qb;
 
-    // The shared tiles, split over the threads; a K tile walks its RoPE angles from an exact
-    // start, so its floats do not depend on which thread made it.
+    // The main cells' tiles, shared by the blocks and split over the threads; a K tile walks
+    // its RoPE angles from an exact start, so its floats do not depend on which thread made it.
     shared_tiles  sh;
-    const size_t  n_shared = a.ref ? 0 : shared_floats(a.k, a.v, a.n_stream, a.n_head_kv, a.DK, a.DV, a.n_q, a.G);
+    const size_t  n_shared = a.ref ? 0 : shared_floats(a.k[0], a.v[0], a.n_stream, a.n_head_kv, a.DK, a.DV, a.n_q, a.G);
     if (n_shared > 0 && params->wsize >= (per_thread * nth + n_shared) * sizeof(float)) {
-        sh.layout(a.k, a.v, a.n_stream, a.n_head_kv, a.DK, a.DV, (float *) params->wdata + per_thread * nth);
-        int64_t i0 = 0; // the first tile of the current (source, K or V)
-        for (int is = 0; is < KVC_FA_N_SRC; ++is) {
-            const fa_src & K = a.k[is];
-            const fa_src & V = a.v[is];
-            const int64_t  n_t = sh.n_tiles[is];
-            const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, false, is == KVC_FA_SRC_UBATCH);
-            const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, false, is == KVC_FA_SRC_UBATCH);
-            for (int kv = 0; kv < 2; ++kv) {
-                const int64_t n = (kv == 0 ? sh.n_sk[is] : sh.n_sv[is]) * a.n_head_kv * n_t;
-                // this thread's first tile of the range [i0, i0 + n): tiles go round the threads
-                for (int64_t u = ((ith - i0) % nth + nth) % nth; u < n; u += nth) {
-                    const int64_t hk = u / n_t % a.n_head_kv;
-                    const int64_t j0 = u % n_t * KVC_FA_TILE_KV;
-                    const int     nk = (int) std::min(KVC_FA_TILE_KV, K.n - j0);
-                    const int64_t st = u / (n_t * a.n_head_kv);
-                    if (kv == 0) {
-                        kvc_t_rope_walk walk;
-                        K.walk_init(walk, hk);
-                        k_tile_f32(K, k_to_f32, j0, nk, hk, st * K.r3, a.DK, &walk, sh.k[is] + u * KVC_FA_TILE_KV * a.DK);
-                    } else {
-                        v_tile_f32(V, v_to_f32, j0, nk, hk, st * V.r3, a.DV, sh.v[is] + u * KVC_FA_TILE_KV * a.DV);
-                    }
-                }
-                i0 += n;
+        const fa_src & K = a.k[0];
+        const fa_src & V = a.v[0];
+        sh.layout(K, V, a.n_stream, a.n_head_kv, a.DK, a.DV, (float *) params->wdata + per_thread * nth);
+        const int64_t n_t = sh.n_tiles;
+        const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, false);
+        const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, false);
+        const int64_t n_k = sh.n_sk * a.n_head_kv * n_t;
+        const int64_t n_v = sh.n_sv * a.n_head_kv * n_t;
+        for (int64_t u = ith; u < n_k + n_v; u += nth) {
+            const int64_t uu = u < n_k ? u : u - n_k;
+            const int64_t hk = uu / n_t % a.n_head_kv;
+            const int64_t j0 = uu % n_t * KVC_FA_TILE_KV;
+            const int     nk = (int) std::min(KVC_FA_TILE_KV, K.n - j0);
+            const int64_t st = uu / (n_t * a.n_head_kv);
+            if (u < n_k) {
+                kvc_t_rope_walk walk;
+                K.walk_init(walk, hk);
+                k_tile_f32(K, k_to_f32, j0, nk, hk, st * K.r3, a.DK, &walk, sh.k + uu * KVC_FA_TILE_KV * a.DK);
+            } else {
+                v_tile_f32(V, v_to_f32, j0, nk, hk, st * V.r3, a.DV, sh.v + uu * KVC_FA_TILE_KV * a.DV);
             }
         }
     }
@@ -925,9 +832,8 @@ void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
 
     // the last query blocks see the most keys of a causal prompt: they go first
     for (int64_t i = ith; i < n_items; i = ggml_threadpool_chunk_add(params->threadpool, 1)) {
-        const fa_units::unit u = units.at(a, i % units.n);
         const int64_t b = n_qb - 1 - i / units.n;
-        prompt_item(a, u.s, u.hk, u.h0, u.gn, b * qb, std::min(a.n_q, (b + 1) * qb), scratch, sh);
+        prompt_item(a, units.at(a, i % units.n), b * qb, std::min(a.n_q, (b + 1) * qb), scratch, sh);
     }
 }
 
@@ -1000,7 +906,11 @@ size_t ggml_kvc_cpu_flash_attn_ext_work_size(const struct ggml_tensor * dst) {
                                       make_src(dst->src[GGML_KVCOMP_FA_SRC_K_UBATCH], q->ne[3]) };
     const fa_src vs[KVC_FA_N_SRC] = { make_src(v, q->ne[3]), make_src(dst->src[GGML_KVCOMP_FA_SRC_V_EXACT], q->ne[3]),
                                       make_src(dst->src[GGML_KVCOMP_FA_SRC_V_UBATCH], q->ne[3]) };
-    return shared_floats(ks, vs, q->ne[3], k->ne[2], k->ne[0], v->ne[0], q->ne[1], q->ne[2] / k->ne[2]) * sizeof(float);
+    if (q->ne[1] == 1) {
+        // the decode step's partials
+        return (size_t) (q->ne[3] * q->ne[2] * n_parts(ks) * (2 + v->ne[0])) * sizeof(float);
+    }
+    return shared_floats(ks[0], vs[0], q->ne[3], k->ne[2], k->ne[0], v->ne[0], q->ne[1], q->ne[2] / k->ne[2]) * sizeof(float);
 }
 
 bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
@@ -1080,7 +990,13 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
     a.m0 = powf(2.0f, -(a.max_bias       ) / a.n_head_log2);
     a.m1 = powf(2.0f, -(a.max_bias / 2.0f) / a.n_head_log2);
 
-    if (a.n_q == 1 && a.DK <= KVC_DEC_MAX_D && a.DV <= KVC_DEC_MAX_D) {
+    if (const ggml_tensor * order = ggml_flash_attn_ext_get_exact_order(dst)) {
+        GGML_ASSERT(order->type == GGML_TYPE_I32 && order->ne[0] >= a.k[1].n + a.k[2].n && order->ne[1] >= a.n_stream);
+        a.order    = (const int32_t *) order->data;
+        a.order_ld = order->nb[1] / sizeof(int32_t);
+    }
+
+    if (a.n_q == 1) {
         fa_decode(params, a);
     } else {
         fa_prompt(params, a);

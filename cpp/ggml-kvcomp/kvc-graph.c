@@ -38,6 +38,20 @@ void ggml_flash_attn_ext_add_exact(struct ggml_tensor * a, struct ggml_tensor * 
     a->src[GGML_KVCOMP_FA_SRC_V_UBATCH] = v_ubatch;
 }
 
+void ggml_flash_attn_ext_set_exact_order(struct ggml_tensor * a, struct ggml_tensor * order) {
+    struct ggml_tensor * ke = a->src[GGML_KVCOMP_FA_SRC_K_EXACT];
+    GGML_ASSERT(ke && ke->view_src && "the order goes with the node's exact keys");
+    GGML_ASSERT(order->type == GGML_TYPE_I32 && ggml_is_contiguous(order));
+    // a view's computation reads nothing: the source only puts the order in the graph
+    GGML_ASSERT(!ke->src[1] || ke->src[1] == order);
+    ke->src[1] = order;
+}
+
+const struct ggml_tensor * ggml_flash_attn_ext_get_exact_order(const struct ggml_tensor * a) {
+    const struct ggml_tensor * ke = a->src[GGML_KVCOMP_FA_SRC_K_EXACT];
+    return ke && ke->view_src ? ke->src[1] : NULL;
+}
+
 bool ggml_flash_attn_ext_has_exact(const struct ggml_tensor * a) {
     return a->op == GGML_OP_FLASH_ATTN_EXT && a->src[GGML_KVCOMP_FA_SRC_K_EXACT] != NULL;
 }

@@ -73,7 +73,7 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
 
     // one more row per stream, never attended: where a token without a slot writes its row;
     // the slots live next to the cache they shadow (llama_kvcomp_storage)
-    const size_t n_tensors = 2 * kv.layers.size() + 1;
+    const size_t n_tensors = 2 * kv.layers.size() + 2;
     for (const auto & l : kv.layers) {
         ggml_context * c = storage.ctx_for(ggml_backend_buffer_get_type(l.k->buffer), n_tensors);
         k_buf.push_back(ggml_new_tensor_2d(c, GGML_TYPE_F16, l.k->ne[0], (int64_t) n_rows() * kv.n_stream));
@@ -83,6 +83,8 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     }
     reencode_slots = ggml_new_tensor_1d(storage.ctx_for(ggml_backend_buffer_get_type(kv.layers[0].k->buffer), n_tensors),
                                         GGML_TYPE_I64, std::max<int64_t>(1, this->tracker ? this->tracker->n_reencode_max() : 0));
+    exact_order = ggml_new_tensor_2d(storage.ctx_for(ggml_backend_buffer_get_type(kv.layers[0].k->buffer), n_tensors),
+                                     GGML_TYPE_I32, (int64_t) n_slots() + n_ubatch, kv.n_stream);
     k_read.assign(k_buf.size(), nullptr);
     v_read.assign(k_buf.size(), nullptr);
     k_written.assign(k_buf.size(), nullptr);
@@ -122,6 +124,7 @@ void llama_kvcomp_buffer::adopt_storage(llama_kvcomp_buffer & prev) {
     std::swap(k_buf, prev.k_buf);
     std::swap(v_buf, prev.v_buf);
     std::swap(reencode_slots, prev.reencode_slots);
+    std::swap(exact_order, prev.exact_order);
 }
 
 void llama_kvcomp_buffer::head_snapshots(const llama_kv_cache & kv, std::vector<llama_kvcomp_head_snapshot> & out) const {
@@ -631,6 +634,10 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     // (the ubatch's F32 rows are read as their F16 rounding, so no cast node).
     ggml_format_name(main_view, "kvcomp_main_%c-%d", c, il);
     ggml_format_name(exact, "kvcomp_exact_%c-%d", c, il);
+    if (is_k) {
+        ggml_tensor * order = ggml_view_2d(ctx0, exact_order, exact_order->ne[0], ns, exact_order->nb[1], 0);
+        ggml_format_name(order, "kvcomp_order-%d", il);
+    }
     if (exact_ub) {
         ggml_format_name(exact_ub, "kvcomp_ubatch_%c-%d", c, il);
     }
@@ -667,6 +674,11 @@ void llama_kvcomp_add_exact(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * 
     ggml_tensor * ve = find("exact", 'v');
     GGML_ASSERT(ke && ve && "kvcomp: the exact rows of a buffered layer are missing from its graph");
     ggml_flash_attn_ext_add_exact(fa, ke, ve, find("ubatch", 'k'), find("ubatch", 'v'));
+    char order_name[GGML_MAX_NAME];
+    snprintf(order_name, sizeof(order_name), "kvcomp_order-%d", il_k);
+    if (ggml_tensor * order = ggml_get_tensor(ctx, order_name)) {
+        ggml_flash_attn_ext_set_exact_order(fa, order);
+    }
     for (const char c : { 'k', 'v' }) {
         char name[GGML_MAX_NAME];
         snprintf(name, sizeof(name), "kvcomp_write_%c-%d", c, il_k);
@@ -723,6 +735,24 @@ void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tens
 
     std::vector<float> main((size_t) n_main * n_rows);
     fill_main(main.data(), n_main);
+
+    // Per stream plane, the exact keys in the order of the cells they hold (the key each cell
+    // is seen from exactly, as below): a key's turn in attention then does not depend on whether
+    // it lies in a slot or among the ubatch's rows.
+    std::vector<int32_t> order(ggml_nelements(exact_order), -1);
+    for (int64_t sp = 0; sp < n_ps && sp < exact_order->ne[1]; ++sp) {
+        const stream_map & m = maps[ub_streams[sp]];
+        int32_t * o = order.data() + sp * exact_order->ne[0];
+        for (int64_t j = 0; j < n_main; ++j) {
+            const int32_t s = m.read_slot((uint32_t) j);
+            if (m.cell_ub[j] >= 0) {
+                *o++ = (int32_t) n_slots() + m.cell_ub[j];
+            } else if (s >= 0) {
+                *o++ = s;
+            }
+        }
+    }
+    ggml_backend_tensor_set(exact_order, order.data(), 0, order.size() * sizeof(int32_t));
 
     std::vector<float> row(n_kv);
     for (int64_t r = 0; r < n_rows; ++r) {

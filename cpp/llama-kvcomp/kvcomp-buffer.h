@@ -233,6 +233,8 @@ private:
 
     // I64: the slot rows of the rows the tracker stores again
     ggml_tensor * reencode_slots = nullptr;
+    // I32 [n_slots + n_ubatch, streams]: the order of the exact keys (ggml_flash_attn_ext_set_exact_order)
+    ggml_tensor * exact_order = nullptr;
     char graph_ids[4] = {};
 
     // per cache layer: a K that is not a RoPE the plans follow was reported

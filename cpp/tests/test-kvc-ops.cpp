@@ -141,28 +141,13 @@ void test_cpy(report & rep, ggml_type type, int d) {
     rep.check(memcmp(qh->data, refh.data(), refh.size()) == 0, "CPY f16->%s d=%3d bytes equal the reference", ggml_type_name(type), d);
 }
 
-// The queries rounded to q8_0 where the decode kernel rounds them: one query token and a
-// packed kvc K (rows of d values).
-std::vector<float> q8_rounded(const std::vector<float> & q, int d) {
-    std::vector<block_q8_0> b(d / QK8_0);
-    std::vector<float> out(q.size());
-    for (size_t r = 0; r < q.size() / d; ++r) {
-        quantize_row_q8_0_ref(&q[r * d], b.data(), d);
-        dequantize_row_q8_0(b.data(), &out[r * d], d);
-    }
-    return out;
-}
-
 // Reference attention in double: out[h][q] = softmax(scale * K_kv q + mask) V_kv; the mask
 // holds one [n_q, n_kv] plane per head, or one for all.
 // softcap: scores become softcap * tanh(score / softcap) before the mask; sinks: one extra
 // logit per head in the softmax denominator.
-// q8: when given, keys [0, n_q8) are scored with these queries instead (q rounded to q8_0, as
-// the decode kernel scores packed kvc K rows).
 std::vector<float> attention_ref(const std::vector<float> & q, const std::vector<float> & k, const std::vector<float> & v,
                                  const std::vector<float> & mask, int d, int n_q, int n_kv, int n_head, int n_head_kv, float scale,
-                                 float softcap = 0.0f, const float * sinks = nullptr,
-                                 const std::vector<float> * q8 = nullptr, int n_q8 = 0) {
+                                 float softcap = 0.0f, const float * sinks = nullptr) {
     std::vector<float> out((size_t) d * n_head * n_q);
     std::vector<double> s(n_kv);
     for (int h = 0; h < n_head; ++h) {
@@ -171,7 +156,7 @@ std::vector<float> attention_ref(const std::vector<float> & q, const std::vector
             double mx = -INFINITY;
             for (int j = 0; j < n_kv; ++j) {
                 const float * kr = &k[((size_t) hk * n_kv + j) * d];
-                const float * qr = j < n_q8 ? &(*q8)[((size_t) h * n_q + iq) * d] : &q[((size_t) h * n_q + iq) * d];
+                const float * qr = &q[((size_t) h * n_q + iq) * d];
                 double dot = 0.0;
                 for (int i = 0; i < d; ++i) {
                     dot += (double) qr[i] * kr[i];
@@ -291,9 +276,7 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_s
     const float * ps = sh.sinks ? sinks.data() : nullptr;
     const auto kd = dequantize(tk, (uint8_t *) kq->data, d, n_head_kv * n_kv);
     const auto vd = dequantize(tv, (uint8_t *) vq->data, d, n_head_kv * n_kv);
-    const std::vector<float> q8 = q8_rounded(q, d);
-    const int n_q8 = n_q == 1 && ggml_kvcomp_is_kvc(tk) ? n_kv : 0;
-    const auto ref_deq = attention_ref(q, kd, vd, mask, d, n_q, n_kv, n_head, n_head_kv, scale, sh.softcap, ps, &q8, n_q8);
+    const auto ref_deq = attention_ref(q, kd, vd, mask, d, n_q, n_kv, n_head, n_head_kv, scale, sh.softcap, ps);
     const auto ref_f32 = attention_ref(q, k, v, mask, d, n_q, n_kv, n_head, n_head_kv, scale, sh.softcap, ps);
 
     // the scalar reference of the same kernels
@@ -431,9 +414,7 @@ void test_flash_attn_exact(report & rep, ggml_type tk, ggml_type tv, int d, cons
         const std::vector<float> qs(q.begin() + (size_t) st * n_head * n_q * d, q.begin() + (size_t) (st + 1) * n_head * n_q * d);
         const std::vector<float> ms(mask.begin() + (size_t) st * n_q * n_keys, mask.begin() + (size_t) (st + 1) * n_q * n_keys);
         const float * ps = sh.sinks ? sinks.data() : nullptr;
-        const std::vector<float> q8 = q8_rounded(qs, d);
-        const int n_q8 = n_q == 1 && ggml_kvcomp_is_kvc(tk) ? n_main : 0;
-        const auto w = attention_ref(qs, kall, vall, ms, d, n_q, n_keys, n_head, n_head_kv, scale, sh.softcap, ps, &q8, n_q8);
+        const auto w = attention_ref(qs, kall, vall, ms, d, n_q, n_keys, n_head, n_head_kv, scale, sh.softcap, ps);
         const auto wf = attention_ref(qs, kall_f32, vall_f32, ms, d, n_q, n_keys, n_head, n_head_kv, scale, sh.softcap, ps);
         want.insert(want.end(), w.begin(), w.end());
         want_f32.insert(want_f32.end(), wf.begin(), wf.end());

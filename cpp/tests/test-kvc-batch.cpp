@@ -1,0 +1,191 @@
+// One arithmetic per query: a token's logits do not depend on how its prompt was cut into
+// ubatches, nor on whether it is decoded again after a cut-back. Usage:
+// test-kvc-batch MODEL.gguf [K_STATS.gguf]
+//
+// For each cache (upstream's q8_0 as the reference, then every kvc type, every mode's knobs
+// with the scale tracker off, and with K statistics the kvct K pair and the modes that take
+// it), prompts of 38 and 512 tokens are decoded as one ubatch, as ubatches of 1, 7 and 32,
+// and, for caches without a window, as one ubatch followed by seq_rm of the last token and its
+// decode alone. The last token's logits of every way must equal the one-ubatch logits: the
+// bound is upstream q8_0's largest difference in the same run (0 on this build), not a
+// tolerance for another kernel's rounding.
+
+#include "kvc-llama-util.h"
+#include "kvc-test-util.h"
+#include "llama.h"
+#include "llama-kvcomp.h"
+
+#include <algorithm>
+#include <string>
+
+using namespace kvc_test;
+
+namespace {
+
+struct cache_config {
+    std::string name;
+    ggml_type   type_k, type_v;
+    int32_t     mode;  // LLAMA_KVCOMP_MODE_CUSTOM: none
+    bool        stats; // the K statistics are set
+    bool        no_tracker = false; // the mode's knobs without the scale tracker
+    bool        cut_back   = true;  // the re-decode after seq_rm is compared too
+};
+
+struct runner {
+    llama_model * model;
+    const char *  stats_path;
+    uint32_t      n_ctx;
+
+    llama_context * make(const cache_config & c) const {
+        llama_context_params cp = test_ctx_params(c.type_k, 1, true, c.type_v);
+        cp.n_ctx = n_ctx;
+        cp.n_batch = n_ctx;
+        cp.n_ubatch = n_ctx;
+        llama_context * ctx = llama_init_from_model(model, cp);
+        if (!ctx) {
+            return nullptr;
+        }
+        if (c.stats && llama_kvcomp_set_k_stats(ctx, stats_path) != 0) {
+            llama_free(ctx);
+            return nullptr;
+        }
+        if (c.mode != LLAMA_KVCOMP_MODE_CUSTOM) {
+            llama_kvcomp_params kp;
+            ggml_type tk, tv;
+            if (llama_kvcomp_mode_preset(c.mode, &kp, &tk, &tv) != 0) {
+                llama_free(ctx);
+                return nullptr;
+            }
+            kp.tracker = c.no_tracker ? 0 : kp.tracker;
+            if (llama_kvcomp_configure(ctx, &kp) != 0) {
+                llama_free(ctx);
+                return nullptr;
+            }
+        }
+        return ctx;
+    }
+
+    // the last token's logits of toks[0, n) decoded in ubatches of `chunk` (0: one ubatch, then
+    // seq_rm of the last token and its decode alone)
+    std::vector<float> last_logits(const cache_config & c, const std::vector<llama_token> & toks, int n, int chunk) const {
+        ctx_ptr p{ make(c) };
+        if (!p.ctx) {
+            return {};
+        }
+        if (chunk > 0) {
+            return decode(p.ctx, toks, 0, n, chunk);
+        }
+        if (decode(p.ctx, toks, 0, n, n).empty() || !llama_memory_seq_rm(llama_get_memory(p.ctx), 0, n - 1, -1)) {
+            return {};
+        }
+        return decode(p.ctx, toks, n - 1, n, 1);
+    }
+};
+
+// Ordinary, varied text from a fixed generator (a repetitive prompt would hide how attention
+// spreads over keys).
+std::string sample_text() {
+    static const char * words[] = { "the", "river", "carried", "old", "letters", "past", "a", "quiet", "town", "where",
+                                    "nobody", "read", "them", "until", "winter", "came", "and", "children", "found",
+                                    "paper", "boats", "under", "bridges", "of", "stone", "while", "their", "parents",
+                                    "argued", "about", "prices", "bread", "lamps", "music", "every", "evening" };
+    const size_t n_words = sizeof(words) / sizeof(words[0]);
+    std::string text;
+    uint32_t x = 12345;
+    for (int i = 0; i < 1200; ++i) {
+        x = x * 1103515245u + 12345u;
+        text += words[(x >> 16) % n_words];
+        text += (x >> 8) % 11 == 0 ? ". " : " ";
+    }
+    return text;
+}
+
+double max_abs_diff(const std::vector<float> & a, const std::vector<float> & b) {
+    if (a.empty() || a.size() != b.size()) {
+        return INFINITY;
+    }
+    double d = 0.0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        d = std::max(d, (double) std::fabs(a[i] - b[i]));
+    }
+    return d;
+}
+
+const int CHUNKS[] = { 1, 7, 32, 0 };
+
+// The largest difference to one ubatch over the ways of CHUNKS, for a prompt of n tokens;
+// `ways` gets each way's.
+double worst_split(report & rep, const runner & r, const cache_config & c, const std::vector<llama_token> & toks, int n,
+                   std::string & ways) {
+    const std::vector<float> whole = r.last_logits(c, toks, n, n);
+    rep.check(!whole.empty(), "%s decodes a %d-token prompt", c.name.c_str(), n);
+    double worst = 0.0;
+    for (const int chunk : CHUNKS) {
+        if (chunk == 0 && !c.cut_back) {
+            continue;
+        }
+        const double d = max_abs_diff(r.last_logits(c, toks, n, chunk), whole);
+        char buf[64];
+        snprintf(buf, sizeof(buf), "%s%s %.3g", ways.empty() ? "" : ", ", chunk > 0 ? std::to_string(chunk).c_str() : "seq_rm", d);
+        ways += buf;
+        worst = std::max(worst, d);
+    }
+    return worst;
+}
+
+} // namespace
+
+int main(int argc, char ** argv) {
+    if (argc != 2 && argc != 3) {
+        fprintf(stderr, "usage: %s MODEL.gguf [K_STATS.gguf]\n", argv[0]);
+        return 1;
+    }
+    llama_model * model = load_test_model_file(argv[1]);
+    if (!model) {
+        return 1;
+    }
+    report rep;
+    const char * stats = argc == 3 ? argv[2] : nullptr;
+
+    std::vector<cache_config> configs = {
+        { "kvc8", GGML_TYPE_KVC8, GGML_TYPE_KVC8, LLAMA_KVCOMP_MODE_CUSTOM, false },
+        { "kvc4", GGML_TYPE_KVC4, GGML_TYPE_KVC4, LLAMA_KVCOMP_MODE_CUSTOM, false },
+        { "kvc3", GGML_TYPE_KVC3, GGML_TYPE_KVC3, LLAMA_KVCOMP_MODE_CUSTOM, false },
+    };
+    for (int32_t m = LLAMA_KVCOMP_MODE_LOW_LATENCY; m <= LLAMA_KVCOMP_MODE_HIGH_PRECISION; ++m) {
+        llama_kvcomp_params kp;
+        ggml_type tk, tv;
+        llama_kvcomp_mode_preset(m, &kp, &tk, &tv);
+        const bool window = kp.window > 0;
+        configs.push_back({ std::string(llama_kvcomp_mode_name(m)) + " without the tracker", tk, tv, m, false, true, !window });
+        const int32_t tks = llama_kvcomp_mode_type_k_stats(m);
+        if (stats && tks != (int32_t) tk) {
+            configs.push_back({ std::string(llama_kvcomp_mode_name(m)) + "+stats", (ggml_type) tks, tv, m, true, false, !window });
+        }
+    }
+    if (stats) {
+        configs.push_back({ "kvct4/kvc4", GGML_TYPE_KVCT4, GGML_TYPE_KVC4, LLAMA_KVCOMP_MODE_CUSTOM, true });
+    }
+
+    const std::vector<llama_token> toks = test_tokenize(model, sample_text(), 4096);
+    for (const int n : { 38, 512 }) {
+        const runner r{ model, stats, (uint32_t) std::max(n + 64, 512) };
+        if ((int) toks.size() < n) {
+            rep.check(false, "the text gives %d tokens", n);
+            continue;
+        }
+        const cache_config ref = { "q8_0", GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, LLAMA_KVCOMP_MODE_CUSTOM, false };
+        std::string ways;
+        const double bound = worst_split(rep, r, ref, toks, n, ways);
+        rep.check(bound < 1e-3, "%d tokens: upstream q8_0 gives the same logits whatever the split (largest difference %.3g)", n, bound);
+        for (const cache_config & c : configs) {
+            ways.clear();
+            const double d = worst_split(rep, r, c, toks, n, ways);
+            rep.check(d <= bound, "%d tokens, %s: ubatches of 1, 7, 32 and a re-decode after seq_rm give one ubatch's logits (largest difference %.3g <= %.3g; %s)",
+                      n, c.name.c_str(), d, bound, ways.c_str());
+        }
+    }
+    llama_model_free(model);
+    llama_backend_free();
+    return rep.finish("test-kvc-batch");
+}
