@@ -1,8 +1,9 @@
 """Runs the C++ tests (cpp/tests) and requires every check in them to pass. test-kvc-llama gets
-SmolLM2, test-kvc-batch SmolLM2 and its K statistics; the differential fuzzer test-kvc-fuzz gets its F32 copy (on the Q4_1 file any kernel
-change is a fresh draw of quantization noise, which would hide what the buffer does) and 120 s;
-the state-file fuzzer test-kvc-state gets SmolLM2 and 40 s, and writes its slot files in a
-temporary folder; test-kvc-plans gets SmolLM2 and its K statistics (`kvcomp calibrate`)."""
+SmolLM2, test-kvc-batch SmolLM2 and its K statistics; the differential fuzzer test-kvc-fuzz
+gets its F32 copy (on the Q4_1 file any kernel change is a fresh draw of quantization noise,
+which would hide what the buffer does) and 120 s; the state-file fuzzer test-kvc-state gets
+SmolLM2 and 40 s, and writes its slot files in a temporary folder; test-kvc-plans gets
+SmolLM2 and its K statistics (`kvcomp calibrate`)."""
 
 from __future__ import annotations
 
