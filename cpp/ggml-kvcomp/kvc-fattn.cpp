@@ -1,9 +1,8 @@
 // CPU flash attention over kvc caches and over several sources: the main cells (any cache
 // type) and the residual buffer's exact F16 rows (ggml_flash_attn_ext_add_exact: its slots,
-// then the ubatch's own rows), under one online softmax and one mask. A decode step reads the
-// rows where they lie; a prompt dequantizes 64-key tiles, once per node when several blocks of
-// query tokens read them (into the plan's buffer, at most KVC_FA_SHARED_MAX bytes), else into
-// per-thread scratch.
+// then the ubatch's own rows), under one online softmax and one mask. The main cells are
+// dequantized in 64-key tiles, once per node when several blocks of query tokens read them
+// (into the plan's buffer, at most KVC_FA_SHARED_MAX bytes), else into per-thread scratch.
 //
 // One kernel serves decode steps and prompts ("One arithmetic per query" below), with a scalar
 // reference (params->use_ref) that the SIMD path is held to (cpp/tests/test-kvc-ops.cpp). Its
@@ -20,8 +19,6 @@
 #include "ggml-cpu.h"
 #include "common.h"
 #include "simd-gemm.h"
-#include "quants.h"
-#include "ggml-quants.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -39,7 +36,6 @@ constexpr int64_t KVC_FA_TILE_KV = GGML_FA_TILE_KV; // prompt keys per tile
 constexpr int64_t KVC_FA_PAD     = 16;              // floats between two threads' scratch (a cache line)
 constexpr int64_t KVC_MAX_ROW    = 1024;            // prompt K row bound (a stack row before the transpose)
 constexpr int     KVC_FA_N_SRC   = 3;               // key sources of a node, one after the other
-constexpr int     KVC_FA_SRC_UBATCH = 2;            // the source of the ubatch's own exact rows
 constexpr size_t  KVC_FA_SHARED_MAX = (size_t) 256 << 20; // bytes of a prompt's shared tiles (shared_floats)
 
 // one cache line into L1 (a no-op where the target has no prefetch instruction)
@@ -100,43 +96,6 @@ float dot_f32(const float * a, const float * b, int64_t n, bool ref) {
     return s;
 }
 
-// y += w * x
-// d[g] = k . q[g] for the gn query heads of a decoded K row: the row is loaded once per four
-// heads (one ggml_vec_dot_f32 call per head cost more than the row's decoding).
-void dot_multi_f32(const float * k, const float * const * q, int64_t gn, int64_t n, float * d, bool ref) {
-#if defined(KVC_AVX2)
-    if (!ref && n % 8 == 0) {
-        for (int64_t g0 = 0; g0 < gn; g0 += 4) {
-            const int64_t ng = std::min<int64_t>(4, gn - g0);
-            __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
-            for (int64_t i = 0; i < n; i += 8) {
-                const __m256 kv = _mm256_loadu_ps(k + i);
-                for (int64_t g = 0; g < ng; ++g) {
-                    acc[g] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q[g0 + g] + i), acc[g]);
-                }
-            }
-            for (int64_t g = 0; g < ng; ++g) {
-                d[g0 + g] = kvc_hsum_f32_8(acc[g]);
-            }
-        }
-        return;
-    }
-#endif
-    for (int64_t g = 0; g < gn; ++g) {
-        d[g] = dot_f32(k, q[g], n, ref);
-    }
-}
-
-void mad_f32(float * y, const float * x, float w, int64_t n, bool ref) {
-    if (ref) {
-        for (int64_t i = 0; i < n; ++i) {
-            y[i] += w * x[i];
-        }
-        return;
-    }
-    ggml_vec_mad_f32((int) n, y, x, w);
-}
-
 void scale_f32(float * y, float s, int64_t n, bool ref) {
     if (ref) {
         for (int64_t i = 0; i < n; ++i) {
@@ -147,10 +106,9 @@ void scale_f32(float * y, float s, int64_t n, bool ref) {
     ggml_vec_scale_f32((int) n, y, s);
 }
 
-// p[j] = exp(x[j] - m) in place; returns their sum (exp(-inf) = 0), added in index order: a
-// masked key adds an exact zero, so where in a tile the visible keys sit does not change the
-// sum, and a query sees its keys the same whatever ubatch (and so mask layout) it came in.
-float softmax_tile(float * x, int n, float m, bool ref) {
+// x[j] = exp(x[j] - m) in place (exp(-inf) = 0); each value alike at any index of a tile of
+// n = KVC_FA_TILE_KV (whole SIMD vectors).
+void exp_tile(float * x, int n, float m, bool ref) {
     if (ref) {
         for (int j = 0; j < n; ++j) {
             x[j] = x[j] == -INFINITY ? 0.0f : expf(x[j] - m);
@@ -158,6 +116,12 @@ float softmax_tile(float * x, int n, float m, bool ref) {
     } else {
         ggml_vec_soft_max_f32(n, x, x, m);
     }
+}
+
+// exp_tile, returning the values' sum added in index order: a masked key adds an exact zero,
+// so where in a tile the visible keys sit does not change the sum.
+float softmax_tile(float * x, int n, float m, bool ref) {
+    exp_tile(x, n, m, ref);
     float sum = 0.0f;
     for (int j = 0; j < n; ++j) {
         sum += x[j];
@@ -377,66 +341,18 @@ struct fa_units {
 //    segment's 64-cell tiles are converted to F32 and met by the rows with simd_gemm, where
 //    every score and every output value is one chain of fused multiply-adds in a fixed order
 //    whatever the number of rows; each segment gives a (max, sum, output) of its own;
-//  - the exact keys (the slots and the ubatch's own rows) are taken per row in the node's
-//    order (the cells they hold, ggml_flash_attn_ext_set_exact_order), 32 visible keys at a
-//    time: a key read from a slot in a decode step is read from the ubatch's rows in a prompt,
-//    and neither where it lies nor which other keys are masked changes its turn;
+//  - the exact keys (the slots and the ubatch's own rows) are taken in the node's order (the
+//    cells they hold, ggml_flash_attn_ext_set_exact_order) against each row's maximum over
+//    them, each key's terms added to the row's sums in that order: a key read from a slot in
+//    a decode step is read from the ubatch's rows in a prompt, and neither where it lies nor
+//    which other keys are masked changes its turn;
 //  - the parts are combined in order: the segments, the exact keys, then the sinks.
 // A decode step spreads the parts of its rows over the threads and combines them after one
 // barrier; a prompt's work item does them one after the other.
 
 constexpr int64_t KVC_FA_SEG   = 256; // main cells per part (a multiple of KVC_FA_TILE_KV)
-constexpr int     KVC_FA_XTILE = 32;  // visible exact keys folded at a time
 
 static_assert(KVC_FA_SEG % KVC_FA_TILE_KV == 0, "a segment is whole tiles");
-static_assert(KVC_FA_XTILE <= KVC_FA_TILE_KV, "the exact keys' V rows fit the V tile");
-
-// acc[DV] += sum over the n rows i of w[i] * vt[i * ld]: the accumulator stays in registers over
-// the tile's rows (ggml_vec_mad_f32 would load and store it once per row). Each element is
-// the same chain of fused multiply-adds at either width.
-void mad_rows(float * acc, const float * vt, int64_t ld, const float * w, int n, int64_t DV, bool ref) {
-#if defined(__AVX512F__)
-    if (!ref && DV % 32 == 0) {
-        for (int64_t d0 = 0; d0 < DV; d0 += 32) {
-            __m512 a0 = _mm512_loadu_ps(acc + d0);
-            __m512 a1 = _mm512_loadu_ps(acc + d0 + 16);
-            for (int i = 0; i < n; ++i) {
-                const __m512 wi = _mm512_set1_ps(w[i]);
-                a0 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(vt + i * ld + d0), a0);
-                a1 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(vt + i * ld + d0 + 16), a1);
-            }
-            _mm512_storeu_ps(acc + d0, a0);
-            _mm512_storeu_ps(acc + d0 + 16, a1);
-        }
-        return;
-    }
-#elif defined(KVC_AVX2)
-    if (!ref && DV % 32 == 0) {
-        for (int64_t d0 = 0; d0 < DV; d0 += 32) {
-            __m256 a0 = _mm256_loadu_ps(acc + d0 +  0);
-            __m256 a1 = _mm256_loadu_ps(acc + d0 +  8);
-            __m256 a2 = _mm256_loadu_ps(acc + d0 + 16);
-            __m256 a3 = _mm256_loadu_ps(acc + d0 + 24);
-            for (int i = 0; i < n; ++i) {
-                const __m256  wi = _mm256_set1_ps(w[i]);
-                const float * vr = vt + i * ld + d0;
-                a0 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr +  0), a0);
-                a1 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr +  8), a1);
-                a2 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr + 16), a2);
-                a3 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr + 24), a3);
-            }
-            _mm256_storeu_ps(acc + d0 +  0, a0);
-            _mm256_storeu_ps(acc + d0 +  8, a1);
-            _mm256_storeu_ps(acc + d0 + 16, a2);
-            _mm256_storeu_ps(acc + d0 + 24, a3);
-        }
-        return;
-    }
-#endif
-    for (int i = 0; i < n; ++i) {
-        mad_f32(acc, vt + i * ld, w[i], DV, ref);
-    }
-}
 
 // Folds a part's (pM, pS, pacc) into a running (M, S, acc); a part that saw nothing is left out.
 void combine(float & M, float & S, float * acc, float pM, float pS, const float * pacc, int64_t DV) {
@@ -565,6 +481,25 @@ struct fa_rows {
     int64_t token(int r) const { return t0 + r / gn; }
     int64_t head(int r) const { return h0 + r % gn; }
 
+    // MK[r][c] = the mask of column cols[c] times the row's slope, -inf past nk; whether any
+    // row sees any of them
+    bool mask_tile(const fa_node & a, const int64_t * cols, int nk) {
+        bool any = false;
+        for (int r = 0; r < n(); ++r) {
+            const ggml_fp16_t * mp = a.mask_row(token(r), head(r), s);
+            const float slope = a.slope(head(r));
+            float * mk = MK + r * KVC_FA_TILE_KV;
+            for (int c = 0; c < nk; ++c) {
+                mk[c] = mp ? slope * GGML_CPU_FP16_TO_FP32(mp[cols[c]]) : 0.0f;
+                any |= mk[c] != -INFINITY;
+            }
+            for (int c = nk; c < KVC_FA_TILE_KV; ++c) {
+                mk[c] = -INFINITY;
+            }
+        }
+        return any;
+    }
+
     void reset(int64_t DV) {
         for (int r = 0; r < n(); ++r) {
             M[r] = -INFINITY;
@@ -573,6 +508,13 @@ struct fa_rows {
         memset(VKQ, 0, (size_t) n() * DV * sizeof(float));
     }
 };
+
+// A row's scores of a tile from its dot products kq and its mask mk (-inf: not seen).
+void score_row(const fa_node & a, float * kq, const float * mk) {
+    for (int c = 0; c < KVC_FA_TILE_KV; ++c) {
+        kq[c] = mk[c] == -INFINITY ? -INFINITY : a.score(kq[c], mk[c]);
+    }
+}
 
 // The main cells [c0, c1) (one segment) for the rows: their part in rows.M, S and VKQ.
 void main_part(const fa_node & a, fa_rows & rows, int64_t c0, int64_t c1, const shared_tiles & sh) {
@@ -584,28 +526,13 @@ void main_part(const fa_node & a, fa_rows & rows, int64_t c0, int64_t c1, const 
     const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, ref);
     const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref);
 
-    const ggml_fp16_t * mp[KVC_FA_TILE_Q];
-    float slope[KVC_FA_TILE_Q];
-    for (int r = 0; r < R; ++r) {
-        mp[r]    = a.mask_row(rows.token(r), rows.head(r), rows.s);
-        slope[r] = a.slope(rows.head(r));
-    }
     rows.reset(DV);
+    int64_t cols[KVC_FA_TILE_KV];
 
     for (int64_t j0 = c0; j0 < c1; j0 += TK) {
         const int nk = (int) std::min(TK, c1 - j0);
-        bool skip = true;
-        for (int r = 0; r < R; ++r) {
-            float * mk = rows.MK + r * TK;
-            for (int c = 0; c < nk; ++c) {
-                mk[c] = mp[r] ? slope[r] * GGML_CPU_FP16_TO_FP32(mp[r][j0 + c]) : 0.0f;
-                skip &= mk[c] == -INFINITY;
-            }
-            for (int c = nk; c < TK; ++c) {
-                mk[c] = -INFINITY;
-            }
-        }
-        if (skip) {
+        std::iota(cols, cols + nk, j0);
+        if (!rows.mask_tile(a, cols, nk)) {
             continue;
         }
 
@@ -623,10 +550,7 @@ void main_part(const fa_node & a, fa_rows & rows, int64_t c0, int64_t c1, const 
 
         for (int r = 0; r < R; ++r) {
             float * kq = rows.KQ + r * TK;
-            const float * mk = rows.MK + r * TK;
-            for (int c = 0; c < TK; ++c) {
-                kq[c] = mk[c] == -INFINITY ? -INFINITY : a.score(kq[c], mk[c]);
-            }
+            score_row(a, kq, rows.MK + r * TK);
             fold_tile(kq, (int) TK, rows.M[r], rows.S[r], rows.VKQ + r * DV, DV, ref);
         }
 
@@ -640,56 +564,95 @@ void main_part(const fa_node & a, fa_rows & rows, int64_t c0, int64_t c1, const 
     }
 }
 
-// The exact keys (the slots, then the ubatch's rows: keys e of [0, n1 + n2)) for the rows,
-// each row's visible keys in the node's order: their part in rows.M, S and VKQ.
+// The exact keys (the slots, then the ubatch's rows: keys e of [0, n1 + n2)) for the rows:
+// their part in rows.M, S and VKQ. The keys come in tiles of the node's order, which a prompt
+// and a decode step fill with different keys, so nothing may depend on a tile's bounds: a
+// first pass takes each row's maximum over the keys it sees, a second adds each key's
+// probability and value to the row's running sum and output one key after the other (as
+// simd_gemm adds a tile's keys), where an unseen key adds an exact zero.
 void exact_part(const fa_node & a, fa_rows & rows) {
     const bool    ref = a.ref;
-    const int64_t DK = a.DK, DV = a.DV;
+    const int64_t DK = a.DK, DV = a.DV, TK = KVC_FA_TILE_KV;
+    const int     R = rows.n();
     const int64_t n1 = a.k[1].n, n_x = n1 + a.k[2].n, off = a.k[0].n;
     const int32_t * order = a.order ? a.order + rows.s * a.order_ld : nullptr;
     const row_to_f32_t k_to_f32[2] = { get_row_to_f32(a.k[1].type, ref), get_row_to_f32(a.k[2].type, ref, true) };
     const row_to_f32_t v_to_f32[2] = { get_row_to_f32(a.v[1].type, ref), get_row_to_f32(a.v[2].type, ref, true) };
-    float * kt = rows.K32;
     rows.reset(DV);
 
-    for (int r = 0; r < rows.n(); ++r) {
-        const int64_t h = rows.head(r);
-        const ggml_fp16_t * mp = a.mask_row(rows.token(r), h, rows.s);
-        const float slope = a.slope(h);
-        const float * q = rows.Qt + r * DK;
-        float * acc = rows.VKQ + r * DV;
-        float   sc[KVC_FA_XTILE];
-        int64_t keys[KVC_FA_XTILE];
-        int     n = 0;
-        const auto flush = [&]() {
-            fold_tile(sc, n, rows.M[r], rows.S[r], acc, DV, ref);
-            for (int i = 0; i < n; ++i) {
-                const int p = keys[i] < n1 ? 0 : 1;
-                v_to_f32[p](a.v[1 + p].row(keys[i] - p * n1, rows.hk, rows.s), rows.V32 + i * DV, DV);
-            }
-            mad_rows(acc, rows.V32, DV, sc, n, DV, ref);
-            n = 0;
-        };
-        for (int64_t i = 0; i < n_x; ++i) {
-            const int64_t e = order ? order[i] : i;
+    int64_t keys[KVC_FA_TILE_KV], cols[KVC_FA_TILE_KV];
+    // the tile of the order's entries [i0, i0 + TK): its keys and their mask in rows.MK, its
+    // scores in rows.KQ; 0 when the order has ended, -1 when no row sees any of its keys
+    const auto tile = [&](int64_t i0) -> int {
+        int nk = 0;
+        for (; nk < TK && i0 + nk < n_x; ++nk) {
+            const int64_t e = order ? order[i0 + nk] : i0 + nk;
             if (e < 0) {
                 break;
             }
-            const float mv = mp ? slope * GGML_CPU_FP16_TO_FP32(mp[off + e]) : 0.0f;
-            if (mv == -INFINITY) {
+            keys[nk] = e;
+            cols[nk] = off + e;
+        }
+        if (nk == 0) {
+            return 0;
+        }
+        if (!rows.mask_tile(a, cols, nk)) {
+            return -1;
+        }
+        float kt[KVC_MAX_ROW];
+        for (int c = 0; c < TK; ++c) {
+            if (c < nk) {
+                const int p = keys[c] < n1 ? 0 : 1;
+                k_to_f32[p](a.k[1 + p].row(keys[c] - p * n1, rows.hk, rows.s), kt, DK);
+            }
+            for (int64_t d = 0; d < DK; ++d) {
+                rows.K32[d * TK + c] = c < nk ? kt[d] : 0.0f;
+            }
+        }
+        memset(rows.KQ, 0, (size_t) R * TK * sizeof(float));
+        gemm_f32(rows.KQ, rows.Qt, rows.K32, R, (int) DK, (int) TK, ref);
+        for (int r = 0; r < R; ++r) {
+            score_row(a, rows.KQ + r * TK, rows.MK + r * TK);
+        }
+        return nk;
+    };
+
+    for (int64_t i0 = 0, nk; (nk = tile(i0)) != 0; i0 += TK) {
+        if (nk < 0) {
+            continue;
+        }
+        for (int r = 0; r < R; ++r) {
+            const float * kq = rows.KQ + r * TK;
+            for (int c = 0; c < TK; ++c) {
+                rows.M[r] = std::max(rows.M[r], kq[c]);
+            }
+        }
+    }
+    for (int64_t i0 = 0, nk; (nk = tile(i0)) != 0; i0 += TK) {
+        if (nk < 0) {
+            continue;
+        }
+        for (int r = 0; r < R; ++r) {
+            float * kq = rows.KQ + r * TK;
+            if (rows.M[r] == -INFINITY) {
+                memset(kq, 0, TK * sizeof(float));
                 continue;
             }
-            const int p = e < n1 ? 0 : 1;
-            k_to_f32[p](a.k[1 + p].row(e - p * n1, rows.hk, rows.s), kt, DK);
-            sc[n]     = a.score(dot_f32(kt, q, DK, ref), mv);
-            keys[n++] = e;
-            if (n == KVC_FA_XTILE) {
-                flush();
+            exp_tile(kq, (int) TK, rows.M[r], ref);
+            for (int c = 0; c < TK; ++c) {
+                rows.S[r] += kq[c];
             }
         }
-        if (n > 0) {
-            flush();
+        for (int c = 0; c < TK; ++c) {
+            float * vt = rows.V32 + c * DV;
+            if (c < nk) {
+                const int p = keys[c] < n1 ? 0 : 1;
+                v_to_f32[p](a.v[1 + p].row(keys[c] - p * n1, rows.hk, rows.s), vt, DV);
+            } else {
+                memset(vt, 0, DV * sizeof(float));
+            }
         }
+        gemm_f32(rows.VKQ, rows.KQ, rows.V32, R, (int) TK, (int) DV, ref);
     }
 }
 

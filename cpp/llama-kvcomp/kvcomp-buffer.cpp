@@ -81,10 +81,9 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         ggml_format_name(k_buf.back(), "kvcomp_k_l%u", l.il);
         ggml_format_name(v_buf.back(), "kvcomp_v_l%u", l.il);
     }
-    reencode_slots = ggml_new_tensor_1d(storage.ctx_for(ggml_backend_buffer_get_type(kv.layers[0].k->buffer), n_tensors),
-                                        GGML_TYPE_I64, std::max<int64_t>(1, this->tracker ? this->tracker->n_reencode_max() : 0));
-    exact_order = ggml_new_tensor_2d(storage.ctx_for(ggml_backend_buffer_get_type(kv.layers[0].k->buffer), n_tensors),
-                                     GGML_TYPE_I32, (int64_t) n_slots() + n_ubatch, kv.n_stream);
+    ggml_context * c0 = storage.ctx_for(ggml_backend_buffer_get_type(kv.layers[0].k->buffer), n_tensors);
+    reencode_slots = ggml_new_tensor_1d(c0, GGML_TYPE_I64, std::max<int64_t>(1, this->tracker ? this->tracker->n_reencode_max() : 0));
+    exact_order = ggml_new_tensor_2d(c0, GGML_TYPE_I32, (int64_t) n_slots() + n_ubatch, kv.n_stream);
     k_read.assign(k_buf.size(), nullptr);
     v_read.assign(k_buf.size(), nullptr);
     k_written.assign(k_buf.size(), nullptr);
@@ -736,23 +735,23 @@ void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tens
     std::vector<float> main((size_t) n_main * n_rows);
     fill_main(main.data(), n_main);
 
-    // Per stream plane, the exact keys in the order of the cells they hold (the key each cell
-    // is seen from exactly, as below): a key's turn in attention then does not depend on whether
-    // it lies in a slot or among the ubatch's rows.
-    std::vector<int32_t> order(ggml_nelements(exact_order), -1);
-    for (int64_t sp = 0; sp < n_ps && sp < exact_order->ne[1]; ++sp) {
-        const stream_map & m = maps[ub_streams[sp]];
-        int32_t * o = order.data() + sp * exact_order->ne[0];
-        for (int64_t j = 0; j < n_main; ++j) {
-            const int32_t s = m.read_slot((uint32_t) j);
-            if (m.cell_ub[j] >= 0) {
-                *o++ = (int32_t) n_slots() + m.cell_ub[j];
-            } else if (s >= 0) {
-                *o++ = s;
+    // Per stream plane, the exact keys in the order of the cells they hold: a key's turn in
+    // attention then does not depend on whether it lies in a slot or among the ubatch's rows.
+    // (A device cache's attention reads a copy in cell order and needs none.)
+    if (ggml_kvcomp_buffer_cpu_kernels(exact_order->buffer)) {
+        std::vector<int32_t> order(ggml_nelements(exact_order), -1);
+        for (int64_t sp = 0; sp < n_ps; ++sp) {
+            const stream_map & m = maps[ub_streams[sp]];
+            int32_t * o = order.data() + sp * exact_order->ne[0];
+            for (int64_t j = 0; j < n_main; ++j) {
+                const int32_t e = m.exact_key((uint32_t) j, n_slots());
+                if (e >= 0) {
+                    *o++ = e;
+                }
             }
         }
+        ggml_backend_tensor_set(exact_order, order.data(), 0, order.size() * sizeof(int32_t));
     }
-    ggml_backend_tensor_set(exact_order, order.data(), 0, order.size() * sizeof(int32_t));
 
     std::vector<float> row(n_kv);
     for (int64_t r = 0; r < n_rows; ++r) {
@@ -768,17 +767,14 @@ void llama_kvcomp_buffer::set_input_kq_mask(const llama_kv_cache & kv, ggml_tens
             if (v == -INFINITY) {
                 continue;
             }
-            const llama_pos q = cells.pos_get(j);
-            if (m.cell_ub[j] >= 0) {
-                if (is_exact(q, p, false)) {
-                    row[n_main + n_slots() + m.cell_ub[j]] = v;
-                    row[j] = -INFINITY;
-                }
+            const int32_t e = m.exact_key((uint32_t) j, n_slots());
+            if (e < 0) {
                 continue;
             }
-            const int32_t s = m.read_slot((uint32_t) j);
-            if (s >= 0 && is_exact(q, p, m.cell_slot[j] >= 0 && m.slot_kinds[s] == SLOT_KIND_PINNED)) {
-                row[n_main + s] = v;
+            // a row of the ubatch is not a pin yet
+            const bool pinned = e < (int32_t) n_slots() && m.cell_slot[j] >= 0 && m.slot_kinds[e] == SLOT_KIND_PINNED;
+            if (is_exact(cells.pos_get(j), p, pinned)) {
+                row[n_main + e] = v;
                 row[j] = -INFINITY;
             }
         }

@@ -180,6 +180,12 @@ private:
         // the slot whose row the current ubatch's attention reads for `cell`, -1 when none (a
         // slot given to one of the ubatch's tokens still holds the old row: the write follows)
         int32_t read_slot(uint32_t cell) const { return cell_slot[cell] >= 0 ? cell_slot[cell] : cell_given[cell]; }
+
+        // the exact key the current ubatch's attention may read for `cell`: its row among the
+        // ubatch's (n_slots + column), else its read_slot, -1 when none
+        int32_t exact_key(uint32_t cell, uint32_t n_slots) const {
+            return cell_ub[cell] >= 0 ? (int32_t) n_slots + cell_ub[cell] : read_slot(cell);
+        }
     };
 
     bool is_exact(llama_pos key, llama_pos query, bool pinned) const;
