@@ -643,9 +643,15 @@ void exact_part(const fa_node & a, fa_rows & rows) {
                 rows.S[r] += kq[c];
             }
         }
+        // A key no row sees adds a zero row: its slot may hold another sequence's non-finite
+        // values, which a zero weight would still turn into NaN in simd_gemm's products.
         for (int c = 0; c < TK; ++c) {
             float * vt = rows.V32 + c * DV;
-            if (c < nk) {
+            bool seen = false;
+            for (int r = 0; r < R && c < nk && !seen; ++r) {
+                seen = rows.MK[r * TK + c] != -INFINITY;
+            }
+            if (seen) {
                 const int p = keys[c] < n1 ? 0 : 1;
                 v_to_f32[p](a.v[1 + p].row(keys[c] - p * n1, rows.hk, rows.s), vt, DV);
             } else {
