@@ -30,9 +30,9 @@ def calibration_text() -> Path:
     return out
 
 
-# The statistics' version llama-kvcomp-calibrate writes (2: K before RoPE); a file of an older
-# version is measured again rather than reused.
-KSTATS_VERSION = 2
+# The statistics' version llama-kvcomp-calibrate writes (3: sealed with a checksum and bound
+# to the model's weights); a file of an older version is measured again rather than reused.
+KSTATS_VERSION = 3
 
 
 def kstats_path(model: Path) -> Path:

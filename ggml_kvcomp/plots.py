@@ -81,7 +81,9 @@ def heatmap(snapshot: dict[str, Any], out: Path) -> None:
     grid = [[float("nan")] * n_head for _ in layers]
     for i, layer in enumerate(layers):
         for h in layer["heads"]:
-            grid[i][h["head"]] = 100.0 * float(h["k_rmse_rel"])
+            # null: not measured (no tracker follows the layer), left blank
+            if h["k_rmse_rel"] is not None:
+                grid[i][h["head"]] = 100.0 * float(h["k_rmse_rel"])
     fig, ax = plt.subplots(figsize=(2.5 + 0.6 * n_head, 1.5 + 0.18 * len(layers)))
     im = ax.imshow(grid, aspect="auto", cmap="viridis")
     ax.set_xlabel("KV head")

@@ -161,6 +161,8 @@ def file_stats(path: Path, pairs: np.ndarray) -> dict[tuple[int, int], PairStats
     reader = gguf_module().GGUFReader(path)
     out = {}
     for t in reader.tensors:
+        if not t.name.rsplit(".", 1)[1].isdigit():
+            continue  # the model's signature
         il = int(t.name.rsplit(".", 1)[1])
         # [n_kv, d/2, 8]; gguf-py gives a single KV head's tensor without its outer axis
         x = np.asarray(t.data, dtype=np.float64).reshape(-1, *t.data.shape[-2:])

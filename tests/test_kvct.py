@@ -13,6 +13,7 @@ from ggml_kvcomp import calibrate, capi, llm, models
 from ggml_kvcomp.cli import main as kvcomp_main
 from ggml_kvcomp.kvtypes import BITS_PER_ELEMENT, KvConfig
 from ggml_kvcomp.perplexity import RunSettings, run_kld
+from ggml_kvcomp.synth import gguf_module
 
 from .server import get, post, server
 
@@ -66,6 +67,42 @@ def test_statistics_of_another_model_are_refused(bins: Path, model: Path, text: 
     proc = _perplexity(bins, model, text, "-ctk", "kvct4", "--kv-comp-kstats", str(other))
     assert proc.returncode != 0
     assert "another model" in proc.stdout + proc.stderr
+
+
+def test_changed_statistics_are_refused(bins: Path, model: Path, text: Path, tmp_path: Path) -> None:
+    # Every moment zeroed after the file was written: used, it took perplexity from 10 to
+    # thousands with no warning; sealed, it is refused by its checksum.
+    good = calibrate.ensure_kstats(model)
+    data = bytearray(good.read_bytes())
+    start = int(gguf_module().GGUFReader(good).data_offset)
+    data[start:] = bytes(len(data) - start)
+    zeroed = tmp_path / "zeroed.gguf"
+    zeroed.write_bytes(bytes(data))
+    proc = _perplexity(bins, model, text, "-ctk", "kvct4", "--kv-comp-kstats", str(zeroed))
+    assert proc.returncode != 0
+    assert "checksum mismatch" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-1500:]
+
+
+def test_statistics_carry_over_to_another_quantization(bins: Path, model: Path, text: Path) -> None:
+    # The same weights quantized another way are the same model: statistics measured on the
+    # Q4_1 file load on its F32 copy.
+    proc = _perplexity(bins, models.fetch_model("smollm2-135m-f32"), text, "-ctk", "kvct4",
+                       "--kv-comp-kstats", str(calibrate.ensure_kstats(model)))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-1500:]
+
+
+def test_monitor_leaves_out_what_no_tracker_measures(model: Path) -> None:
+    # A kvct K cache has no scale tracker: its round-trip error is not measured and must not
+    # read as 0 (a perfect cache); the buffer's norms still are.
+    m = llm.open_llama(model, "balanced", n_ctx=256, kstats=calibrate.ensure_kstats(model))
+    m("The cache keeps the keys of every token", max_tokens=4, temperature=0.0)
+    heads = [h for layer in llm.snapshot(m)["layers"] for h in layer["heads"]]
+    assert heads and all(h[f] is None for h in heads for f in ("k_rmse", "k_rmse_rel", "k_scale", "v_scale"))
+    assert any(h["buffer_l2_k"] > 0.0 for h in heads)
+    prom = llm.snapshot_text(m, prometheus=True)
+    assert "kvcomp_k_rmse{" not in prom and "kvcomp_buffer_l2{" in prom
+    assert llm.snapshot(m)["nonfinite"] == 0
+    m.close()
 
 
 def test_v_cannot_be_kvct() -> None:

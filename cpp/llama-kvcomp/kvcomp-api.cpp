@@ -8,6 +8,7 @@
 #include "llama-impl.h"
 #include "llama-kv-cache-iswa.h"
 #include "llama-kv-cache.h"
+#include "llama-model.h"
 
 #include <algorithm>
 #include <cmath>
@@ -217,6 +218,13 @@ int32_t llama_kvcomp_set_k_stats(llama_context * ctx, const char * path) {
     if (!stats) {
         return llama_kvcomp_fail(-1, "K statistics: " + err);
     }
+    std::vector<float> signature(LLAMA_KVCOMP_SIGNATURE_MAX);
+    const int32_t n_sig = llama_kvcomp_model_signature(llama_get_model(ctx), signature.data(), (int32_t) signature.size());
+    signature.resize(std::max(n_sig, 0));
+    err = stats->check_model(signature);
+    if (!err.empty()) {
+        return llama_kvcomp_fail(-1, "K statistics: " + err);
+    }
     for (llama_kv_cache * kv : caches) {
         const int32_t rc = llama_kvcomp_buffer::set_k_stats(*kv, stats, llama_n_ubatch(ctx), llama_n_seq_max(ctx));
         if (rc != 0) {
@@ -224,6 +232,35 @@ int32_t llama_kvcomp_set_k_stats(llama_context * ctx, const char * path) {
         }
     }
     return 0;
+}
+
+int32_t llama_kvcomp_model_signature(const llama_model * model, float * out, int32_t n_max) {
+    if (!model || !out || n_max <= 0 || model->layers.empty()) {
+        return 0;
+    }
+    const ggml_tensor * w = model->layers[0].wk ? model->layers[0].wk : model->layers[0].wqkv;
+    if (!w || !w->buffer) {
+        return 0;
+    }
+    const int64_t n_rows = std::min<int64_t>(w->ne[1], std::max<int64_t>(1, n_max / w->ne[0]));
+    if (n_rows * w->ne[0] > n_max) {
+        return 0;
+    }
+    const ggml_type_traits * tt = ggml_get_type_traits(w->type);
+    if (w->type != GGML_TYPE_F32 && !tt->to_float) {
+        return -1;
+    }
+    std::vector<uint8_t> raw(n_rows * w->nb[1]);
+    ggml_backend_tensor_get(w, raw.data(), 0, raw.size());
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const uint8_t * row = raw.data() + r * w->nb[1];
+        if (w->type == GGML_TYPE_F32) {
+            std::memcpy(out + r * w->ne[0], row, w->ne[0] * sizeof(float));
+        } else {
+            tt->to_float(row, out + r * w->ne[0], w->ne[0]);
+        }
+    }
+    return (int32_t) (n_rows * w->ne[0]);
 }
 
 int32_t llama_kvcomp_get_config(llama_context * ctx, llama_kvcomp_params * params) {

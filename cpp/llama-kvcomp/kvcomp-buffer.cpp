@@ -1042,6 +1042,10 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
     }
 
     try {
+        if (!llama_kvcomp_state_is_sealed()) {
+            throw std::runtime_error("the state holds the residual buffer, tracker or plans but no seal (this build seals "
+                                     "every state it writes): it was cut short, changed, or written by another build");
+        }
         uint32_t header[7];
         io.read(header, sizeof(header));
         if (header[0] != KVCOMP_STATE_MAGIC) {

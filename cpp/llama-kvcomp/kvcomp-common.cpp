@@ -418,6 +418,11 @@ static void kvcomp_log_config(const llama_kvcomp_params & p, ggml_type type_k, g
             m.fill_warn, m.l2_jump);
 }
 
+static void kvcomp_log_needs_kstats(ggml_type type_k) {
+    LOG_ERR("kvcomp: -ctk %s needs the model's K statistics: --kv-comp-kstats FILE (`kvcomp calibrate -m MODEL` writes it)\n",
+            ggml_type_name(type_k));
+}
+
 bool common_kvcomp_check(const common_params & params) {
     kvcomp_apply_k_layers(params, params.cache_type_k);
     const llama_kvcomp_params & p = params.kvcomp;
@@ -429,8 +434,7 @@ bool common_kvcomp_check(const common_params & params) {
     }
     if (ggml_kvcomp_is_kvct(params.cache_type_k)) {
         if (kvcomp_kstats_path().empty()) {
-            LOG_ERR("kvcomp: -ctk %s needs the model's K statistics: --kv-comp-kstats FILE (`kvcomp calibrate -m MODEL` "
-                    "writes it)\n", ggml_type_name(params.cache_type_k));
+            kvcomp_log_needs_kstats(params.cache_type_k);
             return false;
         }
         if (params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
@@ -535,6 +539,10 @@ bool common_kvcomp_bench_apply(llama_context * ctx) {
     if (preset && (type_k != want_k || type_v != want_v)) {
         LOG_ERR("kvcomp: --kv-comp %s runs on -ctk %s -ctv %s in llama-bench (got %s/%s)\n", llama_kvcomp_mode_name(params.kvcomp.mode),
             ggml_type_name(want_k), ggml_type_name(want_v), ggml_type_name(type_k), ggml_type_name(type_v));
+        return false;
+    }
+    if (llama_kvcomp_get_cache_types(ctx, &type_k, &type_v) == 0 && ggml_kvcomp_is_kvct(type_k) && kvcomp_kstats_path().empty()) {
+        kvcomp_log_needs_kstats(type_k);
         return false;
     }
     return common_kvcomp_apply(ctx, params);

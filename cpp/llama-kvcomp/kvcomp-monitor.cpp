@@ -64,6 +64,7 @@ void llama_kvcomp_monitor::on_ubatch(const llama_kv_cache & kv) {
 void llama_kvcomp_monitor::refresh() {
     llama_kvcomp_snapshot snap = {};
     std::vector<llama_kvcomp_head_snapshot> heads;
+    std::vector<size_t> untracked; // heads whose layer no tracker follows
     const auto caches = llama_kvcomp_caches(ctx);
     for (llama_kv_cache * kv : caches) {
         if (!kv->kvcomp) {
@@ -90,12 +91,11 @@ void llama_kvcomp_monitor::refresh() {
             }
             if (tr) {
                 tr->get_head_scales(ib, hs.head, hs.k_scale, hs.v_scale);
+            } else {
+                untracked.push_back(i);
             }
         }
     }
-    std::sort(heads.begin(), heads.end(), [](const llama_kvcomp_head_snapshot & a, const llama_kvcomp_head_snapshot & b) {
-        return a.il != b.il ? a.il < b.il : a.head < b.head;
-    });
     // Nothing non-finite is published: such a value (a buffer norm while a held row is not
     // finite) is NaN in the snapshot, left out of the text forms and of the running means,
     // and counted.
@@ -107,6 +107,17 @@ void llama_kvcomp_monitor::refresh() {
             }
         }
     }
+    // A layer the tracker does not follow (no tracker, or a kvct K cache, whose plans take its
+    // place) has no round-trip error or scales measured: NaN, so that it reads as absent
+    // rather than as a perfect cache. Not counted as non-finite: nothing was left out.
+    for (size_t i : untracked) {
+        for (float * v : { &heads[i].k_rmse, &heads[i].k_rmse_rel, &heads[i].k_scale, &heads[i].v_scale }) {
+            *v = NAN;
+        }
+    }
+    std::sort(heads.begin(), heads.end(), [](const llama_kvcomp_head_snapshot & a, const llama_kvcomp_head_snapshot & b) {
+        return a.il != b.il ? a.il < b.il : a.head < b.head;
+    });
     count_tracker_nonfinite(caches);
     llama_kvcomp_params kp;
     llama_kvcomp_get_config(ctx, &kp);

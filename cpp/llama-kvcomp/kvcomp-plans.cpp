@@ -8,6 +8,63 @@
 #include <cstring>
 #include <stdexcept>
 
+namespace {
+
+// K and Q values past f16's range break an f16 cache before any kvcomp type: means and
+// energies of a real model's rows stay far inside these bounds.
+constexpr double KSTATS_MAX_MEAN   = 65504.0;
+constexpr double KSTATS_MAX_ENERGY = 65504.0 * 65504.0;
+
+// Why a pair's row (means, centred moments, query weights) cannot come from a model's rows;
+// nullptr when it can: finite, within range, both 2x2 matrices positive semi-definite.
+const char * kstats_pair_error(const float * s) {
+    for (int j = 0; j < LLAMA_KVCOMP_KSTATS_PER_PAIR; ++j) {
+        if (!std::isfinite(s[j])) {
+            return "a non-finite value";
+        }
+    }
+    if (std::fabs(s[0]) > KSTATS_MAX_MEAN || std::fabs(s[1]) > KSTATS_MAX_MEAN) {
+        return "a mean past f16's range";
+    }
+    for (const float * m : { s + 2, s + 5 }) {
+        const double aa = m[0], ab = m[1], bb = m[2];
+        if (aa < 0.0 || bb < 0.0 || aa > KSTATS_MAX_ENERGY || bb > KSTATS_MAX_ENERGY) {
+            return "a second moment below zero or past f16's range";
+        }
+        // Cauchy-Schwarz, with room for the float rounding of the stored moments
+        if (std::fabs(ab) > std::sqrt(aa * bb) * (1.0 + 1e-4) + 1e-30) {
+            return "a covariance larger than its variances allow";
+        }
+    }
+    return nullptr;
+}
+
+} // namespace
+
+std::string llama_kvcomp_kstats::check_model(const std::vector<float> & model_signature) const {
+    const std::string other = "'" + path + "' holds the K statistics of another model";
+    if (model_signature.size() != signature.size()) {
+        return other + " (its signature has " + std::to_string(signature.size()) + " values, this model's " +
+               std::to_string(model_signature.size()) + ")";
+    }
+    double dot = 0.0, n_file = 0.0, n_model = 0.0;
+    for (size_t i = 0; i < signature.size(); ++i) {
+        dot     += (double) signature[i] * model_signature[i];
+        n_file  += (double) signature[i] * signature[i];
+        n_model += (double) model_signature[i] * model_signature[i];
+    }
+    // The same weights quantized another way (the statistics of a Q4 file on its F32 copy) stay
+    // within a few percent; another model's weights are unrelated (cosine near 0).
+    const double cosine = n_file > 0.0 && n_model > 0.0 ? dot / std::sqrt(n_file * n_model) : (n_file == n_model ? 1.0 : 0.0);
+    const double ratio  = n_model > 0.0 ? std::sqrt(n_file / n_model) : 0.0;
+    if (cosine < LLAMA_KVCOMP_KSTATS_MIN_COSINE || (n_model > 0.0 && (ratio < 0.8 || ratio > 1.25))) {
+        char buf[128];
+        snprintf(buf, sizeof(buf), " (its K projection matches this model's at cosine %.3f, norm ratio %.3f)", cosine, ratio);
+        return other + buf;
+    }
+    return "";
+}
+
 std::shared_ptr<llama_kvcomp_kstats> llama_kvcomp_kstats::load(const std::string & path, std::string & err) {
     ggml_context * tctx = nullptr;
     gguf_init_params ip = { /*no_alloc =*/ false, /*ctx =*/ &tctx };
@@ -26,17 +83,24 @@ std::shared_ptr<llama_kvcomp_kstats> llama_kvcomp_kstats::load(const std::string
     const int64_t k_arch = key(LLAMA_KVCOMP_KSTATS_KEY_ARCH, GGUF_TYPE_STRING);
     const int64_t k_ntok = key(LLAMA_KVCOMP_KSTATS_KEY_NTOK, GGUF_TYPE_UINT64);
     const int64_t k_neox = key(LLAMA_KVCOMP_KSTATS_KEY_NEOX, GGUF_TYPE_BOOL);
+    const int64_t k_pre  = key(LLAMA_KVCOMP_KSTATS_KEY_PRE, GGUF_TYPE_BOOL);
+    const int64_t k_sum  = key(LLAMA_KVCOMP_KSTATS_KEY_SUM, GGUF_TYPE_UINT64);
+    const ggml_tensor * sig = ggml_get_tensor(tctx, LLAMA_KVCOMP_KSTATS_SIGNATURE);
     if (k_ver < 0 || k_arch < 0 || k_ntok < 0 || k_neox < 0) {
         err = "'" + path + "' is not a kvcomp K statistics file (llama-kvcomp-calibrate writes one)";
-    } else if (gguf_get_val_u32(g, k_ver) < 1 || gguf_get_val_u32(g, k_ver) > LLAMA_KVCOMP_KSTATS_VERSION) {
-        err = "'" + path + "' has statistics version " + std::to_string(gguf_get_val_u32(g, k_ver)) + ", this build reads 1 to " +
-              std::to_string(LLAMA_KVCOMP_KSTATS_VERSION);
-    } else if (gguf_get_val_u32(g, k_ver) >= 2 && key(LLAMA_KVCOMP_KSTATS_KEY_PRE, GGUF_TYPE_BOOL) < 0) {
-        err = "'" + path + "' does not say whether K was measured before RoPE (" LLAMA_KVCOMP_KSTATS_KEY_PRE ")";
+    } else if (gguf_get_val_u32(g, k_ver) != LLAMA_KVCOMP_KSTATS_VERSION) {
+        err = "'" + path + "' has statistics version " + std::to_string(gguf_get_val_u32(g, k_ver)) + ", this build reads " +
+              std::to_string(LLAMA_KVCOMP_KSTATS_VERSION) + " (sealed, bound to the model): measure them again " +
+              "(`kvcomp calibrate -m MODEL`)";
+    } else if (k_pre < 0 || k_sum < 0 || !sig || sig->type != GGML_TYPE_F32 || ggml_nelements(sig) != sig->ne[0]) {
+        err = "'" + path + "' lacks its checksum, its RoPE key or the model's signature";
+    } else if (gguf_get_val_u64(g, k_sum) != llama_kvcomp_kstats_digest(g, tctx)) {
+        err = "'" + path + "': checksum mismatch, the file was changed after it was written";
     } else {
         out->arch     = gguf_get_val_str(g, k_arch);
         out->n_tokens = gguf_get_val_u64(g, k_ntok);
-        out->pre_rope = gguf_get_val_u32(g, k_ver) >= 2 && gguf_get_val_bool(g, key(LLAMA_KVCOMP_KSTATS_KEY_PRE, GGUF_TYPE_BOOL));
+        out->pre_rope = gguf_get_val_bool(g, k_pre);
+        out->signature.assign((const float *) sig->data, (const float *) sig->data + sig->ne[0]);
         const bool neox = gguf_get_val_bool(g, k_neox);
         for (int il = 0; err.empty(); ++il) {
             char name[GGML_MAX_NAME];
@@ -54,7 +118,23 @@ std::shared_ptr<llama_kvcomp_kstats> llama_kvcomp_kstats::load(const std::string
             layer l;
             l.d = (int32_t) d;
             const float * x = (const float *) t->data;
-            for (int64_t h = 0; h < t->ne[2]; ++h) {
+            for (int64_t h = 0; h < t->ne[2] && err.empty(); ++h) {
+                double k_energy = 0.0, q_energy = 0.0;
+                for (int64_t p = 0; p < d / 2 && err.empty(); ++p) {
+                    const float * s = x + (h * (d / 2) + p) * LLAMA_KVCOMP_KSTATS_PER_PAIR;
+                    if (const char * why = kstats_pair_error(s)) {
+                        err = "'" + path + "': " + name + ", KV head " + std::to_string(h) + ", pair " + std::to_string(p) +
+                              " holds " + why;
+                    }
+                    k_energy += (double) s[2] + s[4];
+                    q_energy += (double) s[5] + s[7];
+                }
+                if (err.empty() && (k_energy <= 0.0 || q_energy <= 0.0)) {
+                    err = "'" + path + "': " + name + ", KV head " + std::to_string(h) + " has no " +
+                          (k_energy <= 0.0 ? "K" : "query") + " energy on any channel (no rows were measured)";
+                }
+            }
+            for (int64_t h = 0; h < t->ne[2] && err.empty(); ++h) {
                 head hd;
                 hd.pair.resize(d);
                 hd.mean.resize(d);

@@ -9,12 +9,15 @@
 
 #include "ggml-kvcomp.h"
 #include "kvc-transform.h"
+#include "kvcomp-hash.h"
 #include "kvcomp-storage.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "gguf.h"
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,8 +41,13 @@ struct llama_kvcomp_kstats {
     uint64_t           n_tokens = 0;
     bool               pre_rope = false; // K measured before RoPE (plans turn rows per key)
     std::vector<layer> layers;           // by model layer
+    std::vector<float> signature;        // of the model they were measured on
 
-    // nullptr and the reason in err when the file cannot be read or is damaged
+    // Whether the statistics were measured on `model`: "" when they were, the reason otherwise.
+    std::string check_model(const std::vector<float> & model_signature) const;
+
+    // nullptr and the reason in err when the file cannot be read, is not sealed (an older
+    // version), was changed after it was written (checksum) or holds values no model's K makes
     static std::shared_ptr<llama_kvcomp_kstats> load(const std::string & path, std::string & err);
 };
 
@@ -113,13 +121,75 @@ private:
 };
 
 // The GGUF keys and tensor names of a statistics file, shared with the tool that writes it.
-#define LLAMA_KVCOMP_KSTATS_VERSION    2 // 1: K after RoPE, still read
+#define LLAMA_KVCOMP_KSTATS_VERSION    3 // 3: sealed and signed with the model; older ones are measured again
 #define LLAMA_KVCOMP_KSTATS_KEY_PRE    "kvcomp.kstats.pre_rope"
 #define LLAMA_KVCOMP_KSTATS_KEY_VER    "kvcomp.kstats.version"
 #define LLAMA_KVCOMP_KSTATS_KEY_ARCH   "kvcomp.kstats.architecture"
 #define LLAMA_KVCOMP_KSTATS_KEY_NTOK   "kvcomp.kstats.n_tokens"
 #define LLAMA_KVCOMP_KSTATS_KEY_NEOX   "kvcomp.kstats.rope_neox"
+// the digest of every other key and every tensor (llama_kvcomp_kstats_digest)
+#define LLAMA_KVCOMP_KSTATS_KEY_SUM    "kvcomp.kstats.checksum"
 // per model layer il: "kvcomp.kstats.<il>", F32 [8, d/2, n_head_kv]: per pair
 // mean_a, mean_b, E[(ka-ma)^2], E[(ka-ma)(kb-mb)], E[(kb-mb)^2], w_aa, w_ab, w_bb
 #define LLAMA_KVCOMP_KSTATS_TENSOR     "kvcomp.kstats.%d"
 #define LLAMA_KVCOMP_KSTATS_PER_PAIR   8
+// the least cosine between a file's signature and the model's (llama_kvcomp_kstats::check_model)
+#define LLAMA_KVCOMP_KSTATS_MIN_COSINE 0.9
+// the most values of a signature (llama_kvcomp_model_signature)
+#define LLAMA_KVCOMP_SIGNATURE_MAX     4096
+// F32 [n]: the model's signature (llama_kvcomp_model_signature) the statistics were measured on
+#define LLAMA_KVCOMP_KSTATS_SIGNATURE  "kvcomp.kstats.signature"
+
+// The digest a statistics file is sealed with: its keys but the checksum (name, type, value)
+// and its tensors (name, type, shape, data) in the file's order. Inline: the tool that writes
+// the file and the tests compute it too.
+inline uint64_t llama_kvcomp_kstats_digest(const gguf_context * g, ggml_context * ctx) {
+    kvcomp_hasher h;
+    const auto add_str = [&](const char * s) { h.update(s, std::strlen(s) + 1); };
+    for (int64_t i = 0; i < gguf_get_n_kv(g); ++i) {
+        const char * name = gguf_get_key(g, i);
+        if (std::strcmp(name, LLAMA_KVCOMP_KSTATS_KEY_SUM) == 0) {
+            continue;
+        }
+        const int32_t type = gguf_get_kv_type(g, i);
+        add_str(name);
+        h.update(&type, sizeof(type));
+        size_t size = 0;
+        switch (type) {
+            case GGUF_TYPE_UINT8: case GGUF_TYPE_INT8: case GGUF_TYPE_BOOL:       size = 1; break;
+            case GGUF_TYPE_UINT16: case GGUF_TYPE_INT16:                          size = 2; break;
+            case GGUF_TYPE_UINT32: case GGUF_TYPE_INT32: case GGUF_TYPE_FLOAT32:  size = 4; break;
+            case GGUF_TYPE_UINT64: case GGUF_TYPE_INT64: case GGUF_TYPE_FLOAT64:  size = 8; break;
+            default: break;
+        }
+        if (type == GGUF_TYPE_STRING) {
+            add_str(gguf_get_val_str(g, i));
+        } else if (size > 0) {
+            h.update(gguf_get_val_data(g, i), size);
+        } else {
+            // arrays: a statistics file has none, and one added later changes the digest by its length
+            const size_t n = gguf_get_arr_n(g, i);
+            h.update(&n, sizeof(n));
+        }
+    }
+    for (int64_t i = 0; i < gguf_get_n_tensors(g); ++i) {
+        const char * name = gguf_get_tensor_name(g, i);
+        const ggml_tensor * t = ggml_get_tensor(ctx, name);
+        add_str(name);
+        if (t) {
+            const int32_t type = t->type;
+            h.update(&type, sizeof(type));
+            h.update(t->ne, sizeof(t->ne));
+            if (t->data) {
+                h.update(t->data, ggml_nbytes(t));
+            }
+        }
+    }
+    return h.digest();
+}
+
+// Seals a statistics file about to be written: its checksum key, last.
+inline void llama_kvcomp_kstats_seal(gguf_context * g, ggml_context * ctx) {
+    gguf_remove_key(g, LLAMA_KVCOMP_KSTATS_KEY_SUM);
+    gguf_set_val_u64(g, LLAMA_KVCOMP_KSTATS_KEY_SUM, llama_kvcomp_kstats_digest(g, ctx));
+}

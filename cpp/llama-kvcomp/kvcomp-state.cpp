@@ -3,6 +3,8 @@
 
 #include "kvcomp-state.h"
 
+#include "kvcomp-hash.h"
+
 #include "kvcomp-buffer.h"
 #include "llama-kvcomp.h"
 
@@ -29,6 +31,7 @@ namespace {
 
 thread_local std::string kvcomp_last_error;
 thread_local bool        kvcomp_in_state_op = false;
+thread_local bool        kvcomp_state_sealed = false; // the state being read passed its seal
 
 // Upstream gives most reasons for refusing a state only to the log (a mismatched row size,
 // no room for the cells): while a state operation runs on this thread, its first error line
@@ -67,71 +70,12 @@ struct kvcomp_state_op {
     kvcomp_state_op() {
         kvcomp_log_chain::get();
         kvcomp_last_error.clear();
-        kvcomp_in_state_op = true;
+        kvcomp_in_state_op  = true;
+        kvcomp_state_sealed = false;
     }
-    ~kvcomp_state_op() { kvcomp_in_state_op = false; }
-};
-
-// Four lanes over 32-byte stripes: each step of a lane is a bijection of the lane for a given
-// word, so a change to any one word always changes the digest.
-struct kvcomp_hasher {
-    static constexpr uint64_t K0 = 0x9e3779b97f4a7c15ull;
-    static constexpr uint64_t K1 = 0xc2b2ae3d27d4eb4full;
-
-    uint64_t lane[4] = { K0, K1, ~K0, ~K1 };
-    uint8_t  pending[32];
-    size_t   n_pending = 0;
-    uint64_t n_total   = 0;
-
-    static uint64_t step(uint64_t h, uint64_t w) {
-        h = (h ^ w) * K1;
-        return h ^ (h >> 29);
-    }
-
-    void stripe(const uint8_t * p) {
-        for (int i = 0; i < 4; ++i) {
-            uint64_t w;
-            std::memcpy(&w, p + 8 * i, sizeof(w));
-            lane[i] = step(lane[i], w);
-        }
-    }
-
-    void update(const void * data, size_t n) {
-        const uint8_t * p = (const uint8_t *) data;
-        n_total += n;
-        if (n_pending > 0) {
-            const size_t take = std::min(n, sizeof(pending) - n_pending);
-            std::memcpy(pending + n_pending, p, take);
-            n_pending += take;
-            p += take;
-            n -= take;
-            if (n_pending < sizeof(pending)) {
-                return;
-            }
-            stripe(pending);
-            n_pending = 0;
-        }
-        for (; n >= sizeof(pending); p += sizeof(pending), n -= sizeof(pending)) {
-            stripe(p);
-        }
-        std::memcpy(pending, p, n);
-        n_pending = n;
-    }
-
-    uint64_t digest() const {
-        uint8_t last[32] = {};
-        std::memcpy(last, pending, n_pending);
-        uint64_t l[4] = { lane[0], lane[1], lane[2], lane[3] };
-        for (int i = 0; i < 4; ++i) {
-            uint64_t w;
-            std::memcpy(&w, last + 8 * i, sizeof(w));
-            l[i] = step(l[i], w);
-        }
-        uint64_t h = n_total * K0;
-        for (int i = 0; i < 4; ++i) {
-            h = step(h + ((l[i] << (7 * i + 1)) | (l[i] >> (63 - 7 * i))), K0);
-        }
-        return h ^ (h >> 32);
+    ~kvcomp_state_op() {
+        kvcomp_in_state_op  = false;
+        kvcomp_state_sealed = false;
     }
 };
 
@@ -217,6 +161,10 @@ size_t kvcomp_guard(const std::function<size_t()> & f) {
 
 } // namespace
 
+bool llama_kvcomp_state_is_sealed(void) {
+    return kvcomp_state_sealed;
+}
+
 void llama_kvcomp_set_last_error(const std::string & reason) {
     kvcomp_last_error = reason;
 }
@@ -283,6 +231,7 @@ static size_t kvcomp_state_load(const uint8_t * src, size_t size, const std::fun
             kvcomp_hasher h;
             h.update(src, s.n_bytes);
             kvcomp_check_seal(s, h);
+            kvcomp_state_sealed = true;
             payload = s.n_bytes;
         }
         const size_t n = load(payload);
@@ -324,61 +273,111 @@ static size_t kvcomp_state_save_file(const char * path, const std::function<size
     });
 }
 
-// With verify, checks the header (magic, version, token count against n_token_capacity) and the
-// seal; then runs load(), and an exception or 0 from it runs clear(). Returns what load
-// returned (a byte count with the seal counted), or 0 with the reason kept. Without verify (a
-// caller asking the token count only) only load runs.
+// llama-context.cpp's io_magic and the sequence id that begin a sequence's buffer
+// (llama_state_seq_get_data) and that its file leaves out; test-kvc-state's unsealed files
+// fail if upstream changes them.
+constexpr uint32_t KVCOMP_SEQ_BUFFER_MAGIC = 0xaf143cd8;
+constexpr size_t   KVCOMP_SEQ_BUFFER_HEAD  = 2 * sizeof(uint32_t);
+
+// How a state file is read: load() is upstream's file reader, for a sealed file (checked before
+// it runs) and for a caller asking the token count only; load_data(src, n) reads the state
+// that follows the tokens from memory, for an unsealed file (upstream's file reader takes a
+// read past the end for zeros, so a cut-short file would be parsed from garbage); clear()
+// empties what a refused state may have restored.
+struct kvcomp_state_file_ops {
+    std::function<size_t()>                        load;
+    std::function<size_t(const uint8_t *, size_t)> load_data;
+    std::function<void()>                          clear;
+};
+
+// The header of a state file (magic, version, token count), checked against what the caller
+// reads; an unsealed file's tokens must fit in it too.
+static void kvcomp_check_state_header(const uint32_t header[3], size_t size, uint32_t magic, uint32_t version) {
+    if (header[0] != magic) {
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), "not a state file of this kind (magic %08x, expected %08x)", header[0], magic);
+        throw std::runtime_error(buf);
+    }
+    if (header[1] != version) {
+        throw std::runtime_error("state file version " + std::to_string(header[1]) + ", this build reads " +
+                                 std::to_string(version));
+    }
+    if ((size - 3 * sizeof(uint32_t)) / sizeof(llama_token) < header[2]) {
+        throw std::runtime_error("the state file is cut short (" + std::to_string(header[2]) + " tokens in " +
+                                 std::to_string(size) + " bytes)");
+    }
+}
+
+// With verify, checks the token count against n_token_capacity and the seal, then reads the
+// file (load for a sealed one, load_data for an unsealed one, tokens copied to tokens_out); an
+// exception or 0 runs clear(). Without verify (a caller asking the token count only) only the
+// header is checked before load runs. Returns what load returned, or the file's size, with the
+// seal counted; 0 with the reason kept.
 static size_t kvcomp_state_load_file(const char * path, uint32_t magic, uint32_t version, bool verify, size_t n_token_capacity,
-                                    const std::function<size_t()> & load, const std::function<void()> & clear) {
+                                    llama_token * tokens_out, size_t * n_token_count_out, const kvcomp_state_file_ops & ops) {
     const kvcomp_state_op op;
     return kvcomp_guard([&]() -> size_t {
         size_t tail = 0;
-        if (verify) {
+        std::vector<uint8_t> data; // an unsealed file's bytes
+        {
             auto f = kvcomp_open(path, "rb");
             const size_t size = kvcomp_file_size(f.get());
             uint32_t header[3] = {};
             std::fseek(f.get(), 0, SEEK_SET);
-            if (std::fread(header, sizeof(header), 1, f.get()) != 1) {
-                throw std::runtime_error("the state file is cut short (no header)");
+            if (size < sizeof(header) || std::fread(header, sizeof(header), 1, f.get()) != 1) {
+                throw std::runtime_error("the state file is cut short (" + std::to_string(size) + " bytes, no header)");
             }
-            if (header[0] != magic) {
-                char buf[96];
-                std::snprintf(buf, sizeof(buf), "not a state file of this kind (magic %08x, expected %08x)", header[0], magic);
-                throw std::runtime_error(buf);
-            }
-            if (header[1] != version) {
-                throw std::runtime_error("state file version " + std::to_string(header[1]) + ", this build reads " +
-                                         std::to_string(version));
-            }
-            if (header[2] > n_token_capacity) {
+            kvcomp_check_state_header(header, size, magic, version);
+            if (verify && header[2] > n_token_capacity) {
                 throw std::runtime_error("the state holds " + std::to_string(header[2]) + " tokens, the caller has room for " +
                                          std::to_string(n_token_capacity));
             }
             kvcomp_seal s = {};
-            if (size >= sizeof(s)) {
+            if (verify && size >= sizeof(s)) {
                 std::fseek(f.get(), (long) (size - sizeof(s)), SEEK_SET);
                 if (std::fread(&s, sizeof(s), 1, f.get()) != 1) {
                     throw std::runtime_error("the state file could not be read");
                 }
             }
-            if (kvcomp_is_seal(s, size)) {
+            if (verify && kvcomp_is_seal(s, size)) {
                 const int64_t t0 = ggml_time_us();
                 kvcomp_check_seal(s, kvcomp_hash_file(f.get(), s.n_bytes));
+                kvcomp_state_sealed = true;
                 tail = sizeof(s);
                 LLAMA_LOG_INFO("kvcomp: state: seal of %.1f MiB checked in %.1f ms\n", s.n_bytes / 1048576.0,
                                (ggml_time_us() - t0) / 1000.0);
+            } else if (verify) {
+                data.resize(size);
+                std::fseek(f.get(), 0, SEEK_SET);
+                if (std::fread(data.data(), 1, size, f.get()) != size) {
+                    throw std::runtime_error("the state file could not be read");
+                }
             }
         }
         size_t n = 0;
         try {
-            n = load();
+            if (data.empty()) {
+                n = ops.load();
+            } else {
+                // an unsealed file: header, tokens, then the state as a buffer holds it, every read bounded
+                const size_t n_tokens = ((const uint32_t *) data.data())[2];
+                const size_t off      = 3 * sizeof(uint32_t) + n_tokens * sizeof(llama_token);
+                std::memcpy(tokens_out, data.data() + 3 * sizeof(uint32_t), n_tokens * sizeof(llama_token));
+                *n_token_count_out = n_tokens;
+                const size_t used = ops.load_data(data.data() + off, data.size() - off);
+                if (used != 0 && used != data.size() - off) {
+                    llama_kvcomp_state_failed(("the state is " + std::to_string(used) + " bytes, the file holds " +
+                                               std::to_string(data.size() - off)).c_str());
+                }
+                n = used == data.size() - off ? data.size() : 0;
+            }
         } catch (const std::exception & e) {
             llama_kvcomp_state_failed(e.what());
         }
         if (n == 0) {
-            clear();
+            ops.clear();
             std::string why = kvcomp_last_error.empty() ? "refused (see the log)" : kvcomp_last_error;
-            if (verify && tail == 0) {
+            if (verify && tail == 0 && why.find("no seal") == std::string::npos) {
                 why += " (the file has no seal: it was cut short, or written by another build)";
             }
             kvcomp_last_error = why;
@@ -488,9 +487,13 @@ size_t llama_kvcomp_state_set_data(llama_context * ctx, const uint8_t * src, siz
 
 bool llama_kvcomp_state_load_file(llama_context * ctx, const char * path, llama_token * tokens_out,
                                   size_t n_token_capacity, size_t * n_token_count_out) {
-    return kvcomp_state_load_file(path, LLAMA_SESSION_MAGIC, LLAMA_SESSION_VERSION, true, n_token_capacity,
+    const kvcomp_state_file_ops ops = {
         [&]() -> size_t { return ctx->state_load_file(path, tokens_out, n_token_capacity, n_token_count_out); },
-        [&]() { llama_memory_clear(llama_get_memory(ctx), true); }) != 0;
+        [&](const uint8_t * src, size_t n) { return ctx->state_set_data(src, n); },
+        [&]() { llama_memory_clear(llama_get_memory(ctx), true); },
+    };
+    return kvcomp_state_load_file(path, LLAMA_SESSION_MAGIC, LLAMA_SESSION_VERSION, true, n_token_capacity, tokens_out,
+                                  n_token_count_out, ops) != 0;
 }
 
 bool llama_kvcomp_state_save_file(llama_context * ctx, const char * path, const llama_token * tokens, size_t n_token_count) {
@@ -514,6 +517,8 @@ size_t llama_kvcomp_state_seq_get_data(llama_context * ctx, uint8_t * dst, size_
 size_t llama_kvcomp_state_seq_set_data(llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id seq_id,
                                        llama_state_seq_flags flags) {
     if (flags & LLAMA_STATE_SEQ_FLAGS_ON_DEVICE) {
+        const kvcomp_state_op op;
+        kvcomp_state_sealed = true; // it never left the process
         return ctx->state_seq_set_data(seq_id, src, size, flags);
     }
     return kvcomp_state_load(src, size, [&](size_t n) { return ctx->state_seq_set_data(seq_id, src, n, flags); },
@@ -527,7 +532,19 @@ size_t llama_kvcomp_state_seq_save_file(llama_context * ctx, const char * path, 
 
 size_t llama_kvcomp_state_seq_load_file(llama_context * ctx, const char * path, llama_seq_id seq_id, llama_token * tokens_out,
                                         size_t n_token_capacity, size_t * n_token_count_out) {
-    return kvcomp_state_load_file(path, LLAMA_STATE_SEQ_MAGIC, LLAMA_STATE_SEQ_VERSION, tokens_out != nullptr, n_token_capacity,
+    const kvcomp_state_file_ops ops = {
         [&]() { return ctx->state_seq_load_file(seq_id, path, tokens_out, n_token_capacity, n_token_count_out); },
-        [&]() { llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1); });
+        [&](const uint8_t * src, size_t n) -> size_t {
+            // a sequence's buffer starts with what a file leaves out: upstream's magic and the sequence
+            std::vector<uint8_t> buf(KVCOMP_SEQ_BUFFER_HEAD + n);
+            const uint32_t head[2] = { KVCOMP_SEQ_BUFFER_MAGIC, (uint32_t) seq_id };
+            std::memcpy(buf.data(), head, sizeof(head));
+            std::memcpy(buf.data() + KVCOMP_SEQ_BUFFER_HEAD, src, n);
+            const size_t used = ctx->state_seq_set_data(seq_id, buf.data(), buf.size(), 0);
+            return used >= KVCOMP_SEQ_BUFFER_HEAD ? used - KVCOMP_SEQ_BUFFER_HEAD : 0;
+        },
+        [&]() { llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1); },
+    };
+    return kvcomp_state_load_file(path, LLAMA_STATE_SEQ_MAGIC, LLAMA_STATE_SEQ_VERSION, tokens_out != nullptr, n_token_capacity,
+                                  tokens_out, n_token_count_out, ops);
 }

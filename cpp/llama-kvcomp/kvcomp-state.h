@@ -35,6 +35,11 @@ size_t llama_kvcomp_state_seq_load_file(llama_context * ctx, const char * path, 
 // loaders that compare the state's size with the file's.
 size_t llama_kvcomp_state_file_tail(llama_file & file);
 
+// Whether the state this thread is reading passed its seal: a state holding kvcomp's own
+// sections (residual buffer, tracker, plans) is read only then, since this build seals every
+// state it writes and those sections have no range a reader could check.
+bool llama_kvcomp_state_is_sealed(void);
+
 // Keeps why a state operation failed (the first reason wins until the next operation starts).
 void llama_kvcomp_state_failed(const char * reason);
 

@@ -118,6 +118,12 @@ LLAMA_API int32_t llama_kvcomp_configure(struct llama_context * ctx, const struc
 // -3 for an allocation failure.
 LLAMA_API int32_t llama_kvcomp_set_k_stats(struct llama_context * ctx, const char * path);
 
+// The values a statistics file is bound to: the first whole rows of layer 0's K projection
+// (attn_k, or the fused attn_qkv) as F32, at most n_max of them. The same model quantized
+// another way gives nearly the same values; another model's are unrelated. Returns how many
+// were written: 0 for a model with neither tensor, -1 for one whose type cannot be read back.
+LLAMA_API int32_t llama_kvcomp_model_signature(const struct llama_model * model, float * out, int32_t n_max);
+
 // The knobs in effect (as configured; every knob off when nothing is attached). Returns 0,
 // or -1 without a context.
 LLAMA_API int32_t llama_kvcomp_get_config(struct llama_context * ctx, struct llama_kvcomp_params * params);
@@ -223,7 +229,9 @@ LLAMA_API int32_t llama_kvcomp_monitor_refresh(struct llama_context * ctx);
 // One per model layer and KV head (every head of the layer). The monitor takes no non-finite
 // value into its statistics; a value it cannot take from finite numbers this refresh (a
 // buffer norm while a held row is not finite) is NaN here, absent from /metrics and null in
-// the JSON, and counted in llama_kvcomp_snapshot.n_nonfinite.
+// the JSON, and counted in llama_kvcomp_snapshot.n_nonfinite. A layer no tracker follows (the
+// tracker off, or a kvct K cache, whose plans take its place) has its round-trip error and
+// scales unmeasured: NaN too, and absent the same way, but not counted.
 struct llama_kvcomp_head_snapshot {
     int32_t il;          // model layer
     int32_t head;        // KV head

@@ -1,4 +1,4 @@
-// State-file fuzzer (issue 18). Usage:
+// State-file fuzzer. Usage:
 //   test-kvc-state MODEL.gguf [SECONDS [SEED]]
 //
 // For each mode (off on f16, low-latency, balanced, high-precision) a context decodes a
@@ -9,7 +9,9 @@
 // seal, so the row checks are reached, and without), wrong shapes behind a valid seal, and
 // appended bytes; a few also go through host buffers (llama_state_seq_set_data). Every
 // mutant must be refused with a reason (llama_kvcomp_last_error) and leave sequence 0 empty,
-// or restore the original tokens and continue to the original logits bit for bit. After
+// or restore the original tokens and continue to the original logits bit for bit; a cut file
+// (down to 0 bytes) is refused for the same reason twice, so no reader parsed bytes past the
+// cut. A state holding kvcomp's sections is read only behind its seal. After
 // every mutant sequence 1 must still continue to its own logits, and at the end the
 // original file must restore and the monitor's metrics hold no NaN or Inf. A failure prints
 // its seed; `test-kvc-state MODEL 1 SEED` replays from it.
@@ -207,6 +209,9 @@ std::vector<float> continue_seq(llama_context * ctx, const std::vector<llama_tok
     return out;
 }
 
+// the reason of the last refusal
+std::string g_last_reason;
+
 // Restores a mutant into sequence 0: 0 refused as it should be, 1 restored identically,
 // -1 a failed check (printed with the seed).
 int try_restore(report & rep, const fixture & fx, const bytes & mutant, bool host, const std::string & what, uint32_t seed) {
@@ -227,6 +232,7 @@ int try_restore(report & rep, const fixture & fx, const bytes & mutant, bool hos
     }
     if (n == 0) {
         const char * why = llama_kvcomp_last_error();
+        g_last_reason = why ? why : "";
         if (!why || !*why || llama_memory_seq_pos_max(mem, 0) != -1) {
             rep.check(false, "seed %u: %s refused without a reason or left cells in sequence 0 (reason: %s)", seed,
                       what.c_str(), why ? why : "none");
@@ -280,6 +286,7 @@ std::vector<mutant> make_mutants(const bytes & f, const layout & L, const bytes 
         }
     }
     out.push_back({ "cut at the seal (complete, unsealed)", bytes(f.begin(), f.end() - SEAL) });
+    out.push_back({ "cut to 0 bytes", bytes() });
     {
         bytes m = f;
         for (int i = 0; i < 1000; ++i) {
@@ -510,7 +517,19 @@ int main(int argc, char ** argv) {
         for (uint32_t seed = seed0 + 1000 * (uint32_t) im; n_rounds == 0 || elapsed() < t_end; ++seed, ++n_rounds) {
             std::mt19937 rng(seed);
             for (const mutant & m : make_mutants(file, L, host, rng)) {
-                const int r = try_restore(rep, fx, m.b, m.host, std::string(mc.name) + ": " + m.name, seed);
+                const std::string what = std::string(mc.name) + ": " + m.name;
+                int r = try_restore(rep, fx, m.b, m.host, what, seed);
+                // a reader that parsed bytes past a cut would print what memory held: the
+                // same file must be refused for the same reason twice
+                if (r == 0 && m.name.rfind("cut", 0) == 0) {
+                    const std::string first = g_last_reason;
+                    r = try_restore(rep, fx, m.b, m.host, what, seed);
+                    if (r == 0 && g_last_reason != first) {
+                        rep.check(false, "seed %u: %s refused for two reasons: '%s', then '%s'", seed, what.c_str(),
+                                  first.c_str(), g_last_reason.c_str());
+                        r = -1;
+                    }
+                }
                 r < 0 ? ++n_bad : r == 0 ? ++n_refused : ++n_same;
             }
         }

@@ -13,6 +13,7 @@
 #include "common.h"
 #include "log.h"
 #include "kvcomp-plans.h"
+#include "llama-kvcomp.h"
 #include "kvcomp-tool.h"
 
 #include "gguf.h"
@@ -184,8 +185,15 @@ bool calib_eval_cb(ggml_tensor * t, bool ask, void * user_data) {
     return st.ok;
 }
 
-bool write_stats(const calib_state & st, const std::string & arch, uint64_t n_tokens, const std::string & path) {
-    size_t n_bytes = 0;
+bool write_stats(const calib_state & st, const llama_model * model, const std::string & arch, uint64_t n_tokens,
+                 const std::string & path) {
+    std::vector<float> signature(LLAMA_KVCOMP_SIGNATURE_MAX);
+    const int32_t n_sig = llama_kvcomp_model_signature(model, signature.data(), (int32_t) signature.size());
+    if (n_sig <= 0) {
+        LOG_ERR("layer 0's K projection (the statistics' signature) is missing or cannot be read back as F32\n");
+        return false;
+    }
+    size_t n_bytes = ggml_tensor_overhead() + (size_t) n_sig * sizeof(float);
     for (const auto & l : st.layers) {
         n_bytes += (size_t) l.n_kv * (l.d / 2) * LLAMA_KVCOMP_KSTATS_PER_PAIR * sizeof(float) + ggml_tensor_overhead();
     }
@@ -197,6 +205,10 @@ bool write_stats(const calib_state & st, const std::string & arch, uint64_t n_to
     gguf_set_val_u64(g, LLAMA_KVCOMP_KSTATS_KEY_NTOK, n_tokens);
     gguf_set_val_bool(g, LLAMA_KVCOMP_KSTATS_KEY_NEOX, st.neox == 1);
     gguf_set_val_bool(g, LLAMA_KVCOMP_KSTATS_KEY_PRE, true);
+    ggml_tensor * sig = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_sig);
+    ggml_set_name(sig, LLAMA_KVCOMP_KSTATS_SIGNATURE);
+    std::memcpy(sig->data, signature.data(), n_sig * sizeof(float));
+    gguf_add_tensor(g, sig);
     for (size_t il = 0; il < st.layers.size(); ++il) {
         const layer_sums & l = st.layers[il];
         if (l.k1.empty() || l.q2.empty() || l.n_k < 2.0 || l.n_q < 1.0 || l.n_head % l.n_kv != 0) {
@@ -231,6 +243,7 @@ bool write_stats(const calib_state & st, const std::string & arch, uint64_t n_to
         }
         gguf_add_tensor(g, t);
     }
+    llama_kvcomp_kstats_seal(g, ctx);
     const bool ok = gguf_write_to_file(g, path.c_str(), false);
     if (!ok) {
         LOG_ERR("cannot write '%s'\n", path.c_str());
@@ -317,7 +330,7 @@ int main(int argc, char ** argv) {
     }
     llama_batch_free(batch);
     const uint64_t n_tokens = (uint64_t) n_chunks * (uint64_t) (n_ctx - st.skip_first);
-    if (!write_stats(st, arch, n_tokens, out)) {
+    if (!write_stats(st, model, arch, n_tokens, out)) {
         return 1;
     }
     LOG_INF("kvcomp calibrate: K statistics of %zu layers over %llu tokens (%d chunks of %d; %lld rows left out for a "
