@@ -113,7 +113,7 @@ def _run_kld_all(args: argparse.Namespace, argv: Sequence[str], ppl_only: bool) 
         for cfg in configs:
             _progress(args.command, i, n, f"ctx {ctx} {cfg.label}")
             i += 1
-            results.append(perplexity.run_kld(cfg, settings))
+            results.append(perplexity.run_kld(cfg, settings, by_token=not ppl_only and args.by_token))
         rows += [{"ctx": ctx, **r.as_dict()} for r in results]
         table = report.ppl_table(results) if ppl_only else report.kld_table(results)
         what = "Perplexity with each KV cache" if ppl_only else "KLD vs f16 KV"
@@ -327,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "kld":
             sp.add_argument("--frontier", metavar="PNG",
                             help="also plot KLD against bpe (the last context) to this file")
+            sp.add_argument("--by-token", action="store_true",
+                            help="also run every configuration with one decode per token (-ub 1, teacher-forced, as "
+                                 "generation computes each token) and report that KLD beside the batched one")
         sp.set_defaults(func=func)
 
     bn = sub.add_parser("bench", help="llama-bench decode speed at several depths; --parallel: N sequences together")

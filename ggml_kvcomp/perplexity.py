@@ -6,7 +6,7 @@ import hashlib
 import math
 import re
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .calibrate import kv_args
@@ -27,6 +27,7 @@ class RunSettings:
     flash_attn: bool = True  # the base run always uses it; off measures the MUL_MAT path of K
     n_gpu_layers: int = 0  # layers offloaded to a GPU (-ngl), 0 for a CPU-only run
     ctx_full: int = 0  # the model's full context, for KV memory there (0: the run's ctx)
+    ubatch: int = 0  # tokens per ubatch (-ub; 0: the tool's default); 1 decodes one token at a time
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class KldResult:
     # the KV cache's memory at the model's full context: main caches scaled to it, the
     # residual buffer as it is (its slots do not grow with the context)
     kv_mib_full: float = 0.0
+    # the mean KLD with one decode per token (teacher-forced, as generation computes every
+    # token; None: not run)
+    kld_mean_by_token: float | None = None
 
     @property
     def bpe(self) -> float:
@@ -68,7 +72,7 @@ def _common_args(s: RunSettings) -> list[str]:
         "-m", str(s.model), "-f", str(s.corpus), "-c", str(s.ctx), "-b", str(s.batch),
         "--chunks", str(s.chunks), "-t", str(s.threads), "--no-warmup", "-ngl", str(s.n_gpu_layers),
         "-lv", "4",  # this level carries the KV size line and the model's dimensions
-    ]
+    ] + (["-ub", str(s.ubatch)] if s.ubatch else [])
 
 
 def _run(args: list[str]) -> str:
@@ -81,7 +85,9 @@ def _run(args: list[str]) -> str:
 
 
 def base_logits(s: RunSettings) -> Path:
-    """The f16-KV base logits for these settings, computed once and cached."""
+    """The f16-KV base logits for these settings, computed once and cached. Always batched: an
+    f16 cache gives a token the same logits however its ubatches are cut."""
+    s = replace(s, ubatch=0)
     key = hashlib.sha256(
         f"{s.model.stat().st_size}:{s.model.name}:{s.corpus.name}:{s.ctx}:{s.chunks}:{s.batch}:{s.n_gpu_layers}"
         .encode()
@@ -228,12 +234,20 @@ def parse_kld(label: str, cfg: KvConfig, log: str, ctx_full: int) -> KldResult:
     )
 
 
-def run_kld(cfg: KvConfig, s: RunSettings) -> KldResult:
-    base = base_logits(s)
-    fa = "on" if s.flash_attn else "off"
-    log = _run([str(binary("llama-perplexity")), *_common_args(s), "-fa", fa, *kv_args(cfg, s.model),
-                "--kl-divergence-base", str(base), "--kl-divergence"])
-    return parse_kld(cfg.label, cfg, log, s.ctx_full or s.ctx)
+def run_kld(cfg: KvConfig, s: RunSettings, by_token: bool = False) -> KldResult:
+    """KLD of cfg against the f16 base; with by_token, also with one decode per token (the
+    tokens scored are the same, so a cache whose logits do not depend on the ubatch gives the
+    same number both ways)."""
+    def run(settings: RunSettings) -> str:
+        fa = "on" if settings.flash_attn else "off"
+        return _run([str(binary("llama-perplexity")), *_common_args(settings), "-fa", fa, *kv_args(cfg, settings.model),
+                     "--kl-divergence-base", str(base_logits(settings)), "--kl-divergence"])
+
+    out = parse_kld(cfg.label, cfg, run(s), s.ctx_full or s.ctx)
+    if by_token:
+        tf = parse_kld(cfg.label, cfg, run(replace(s, ubatch=1)), s.ctx_full or s.ctx)
+        out = replace(out, kld_mean_by_token=tf.kld_mean)
+    return out
 
 
 def run_profile(s: RunSettings) -> dict[str, object]:

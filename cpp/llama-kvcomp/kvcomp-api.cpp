@@ -42,6 +42,13 @@ constexpr kvcomp_mode_row KVCOMP_MODES[] = {
 };
 static_assert(sizeof(KVCOMP_MODES) / sizeof(KVCOMP_MODES[0]) == LLAMA_KVCOMP_MODE_CUSTOM, "one table row per mode");
 
+// The most tokens a ubatch brings, which the buffer and the tracker size their inputs by: a
+// split cache's ubatch takes the same number of tokens from every sequence in it
+// (split_equal), one each at least, so sequences that outnumber n_ubatch make it larger.
+uint32_t kvcomp_ubatch_max(const llama_context * ctx) {
+    return std::max(llama_n_ubatch(ctx), llama_n_seq_max(ctx));
+}
+
 } // namespace
 
 std::vector<llama_kv_cache *> llama_kvcomp_caches(llama_context * ctx) {
@@ -193,7 +200,7 @@ int32_t llama_kvcomp_configure(llama_context * ctx, const llama_kvcomp_params * 
     const bool fresh = std::none_of(caches.begin(), caches.end(), [](const llama_kv_cache * kv) { return kv->kvcomp != nullptr; });
     const auto monitor = llama_kvcomp_monitor::get(ctx, true, fresh);
     for (llama_kv_cache * kv : caches) {
-        const int32_t rc = llama_kvcomp_buffer::attach(*kv, *params, llama_n_ubatch(ctx), llama_n_seq_max(ctx));
+        const int32_t rc = llama_kvcomp_buffer::attach(*kv, *params, kvcomp_ubatch_max(ctx), llama_n_seq_max(ctx));
         if (rc != 0) {
             return rc;
         }
@@ -226,7 +233,7 @@ int32_t llama_kvcomp_set_k_stats(llama_context * ctx, const char * path) {
         return llama_kvcomp_fail(-1, "K statistics: " + err);
     }
     for (llama_kv_cache * kv : caches) {
-        const int32_t rc = llama_kvcomp_buffer::set_k_stats(*kv, stats, llama_n_ubatch(ctx), llama_n_seq_max(ctx));
+        const int32_t rc = llama_kvcomp_buffer::set_k_stats(*kv, stats, kvcomp_ubatch_max(ctx), llama_n_seq_max(ctx));
         if (rc != 0) {
             return rc;
         }
