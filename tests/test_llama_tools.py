@@ -88,6 +88,18 @@ def test_llama_bench_accepts_kvc_types(bins: Path, model: Path) -> None:
     assert rows[0]["avg_ts"] > 0
 
 
+@pytest.mark.parametrize(("extra", "reason"), [
+    (["-fa", "0", "-ctk", "kvc4", "-ctv", "kvc4"], "-ctv kvc4 needs flash attention"),
+    (["-fa", "1", "-ctk", "kvct4", "-ctv", "kvc4"], "needs the model's K statistics"),
+])
+def test_llama_bench_names_why_it_refuses(bins: Path, model: Path, extra: list[str], reason: str) -> None:
+    # llama-bench keeps libllama's log quiet: the reason is its own line, as the other tools give it
+    proc = subprocess.run([str(bins / "llama-bench"), "-m", str(model), "-p", "0", "-n", "4", "-r", "1", "-t", "2",
+                           *extra], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert reason in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-1500:]
+
+
 @pytest.mark.parametrize("tool", ["llama-cli", "llama-server", "llama-perplexity", "llama-bench"])
 def test_every_tool_lists_the_buffer_flags(bins: Path, tool: str) -> None:
     proc = subprocess.run([str(bins / tool), "--help"], capture_output=True, text=True, timeout=60)

@@ -137,3 +137,30 @@ def test_reused_prompt_past_the_spares_is_decoded_again(bins: Path, model: Path,
         fresh = post(f"{url}/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 16, "cache_prompt": False})
         assert "the cut-back would lose exact rows, the prompt is decoded again" in log.read_text()
         assert reused["content"] == fresh["content"]
+        # the timings say what was done: the whole prompt, none of it from the cache
+        assert reused["timings"]["cache_n"] == 0  # type: ignore[index]
+        assert reused["timings"]["prompt_n"] == fresh["timings"]["prompt_n"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("mode", ["balanced", "high-precision"])
+def test_reused_and_restored_prompts_cost_a_cache_hit(bins: Path, model: Path, tmp_path: Path, mode: str) -> None:
+    """A prompt cached as it was evaluated (n_predict 1 stores no generated token), sent again
+    or restored from the RAM prompt cache after another prompt took its slot, is cut back by
+    its last token, which is decoded again with every exact row of its window (the row before
+    the window included): the answer of a fresh request, and the timings of a cache hit. The
+    prompt is longer than high-precision's window of 32."""
+    greedy = {"temperature": 0, "n_predict": 16}
+    prompt = PROMPT * 3
+    with server(bins, model, "--kv-comp", mode, "-np", "1", "-c", "1024", "--cache-ram", "64") as url:
+        fresh = post(f"{url}/completion", {"prompt": prompt, **greedy, "cache_prompt": False})
+        n_prompt = int(fresh["timings"]["prompt_n"])  # type: ignore[index]
+        assert n_prompt > 32
+        post(f"{url}/completion", {"prompt": prompt, **greedy, "n_predict": 1, "cache_prompt": True})
+        reused = post(f"{url}/completion", {"prompt": prompt, **greedy, "cache_prompt": True})
+        post(f"{url}/completion", {"prompt": prompt, **greedy, "n_predict": 1, "cache_prompt": True})
+        post(f"{url}/completion", {"prompt": "Another text entirely, about rivers and their bridges.", **greedy,
+                                   "cache_prompt": True})
+        restored = post(f"{url}/completion", {"prompt": prompt, **greedy, "cache_prompt": True})
+        for r in (reused, restored):
+            assert r["content"] == fresh["content"]
+            assert (r["timings"]["cache_n"], r["timings"]["prompt_n"]) == (n_prompt - 1, 1)  # type: ignore[index]

@@ -33,7 +33,10 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     // sequence) and its own rows from the graph, and the rows later queries need are written
     // to slots (up to W per sequence, or every row when outliers are measured). Sinks stay,
     // tokens that left the window wait up to N - 1 ubatches for the next merge, and pins
-    // have their budget.
+    // have their budget. Each sequence also keeps the KVCOMP_CUT_BACK rows before its window:
+    // a sequence cut back by that many tokens still finds every row its next query sees
+    // exactly, so re-decoding a prompt's last token (llama-server and llama-cpp-python do it
+    // for a reused or restored prompt) gives the logits of the first run.
     //
     // The window is held once when the slot writes follow the layer's attention: a token
     // then takes the slot of a row that only its own ubatch's queries still see exactly, and
@@ -46,7 +49,7 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         host = host && ggml_kvcomp_buffer_cpu_kernels(l.k->buffer) && ggml_kvcomp_buffer_cpu_kernels(l.v->buffer);
     }
     give_away = buffered && host && params.pin_threshold <= 0.0f && kv.map_layer_ids.size() == kv.layers.size();
-    const uint32_t n_window = n_seq * (uint32_t) (params.window + params.sinks + params.merge_interval - 1);
+    const uint32_t n_window = n_seq * (uint32_t) (params.window + params.sinks + params.merge_interval - 1 + KVCOMP_CUT_BACK);
     const uint32_t n_new    = give_away ? 0 : params.pin_threshold > 0.0f ? n_ubatch : std::min(n_seq * (uint32_t) params.window, n_ubatch);
     n_slots_stream = buffered ? n_window + n_new + pin_budget : 0;
 
@@ -395,10 +398,15 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
         }
         return false;
     };
-    // a slot a token of this ubatch may take (the window held once)
+    // a slot a token of this ubatch may take (the window held once), unless a query after a
+    // cut-back of up to KVCOMP_CUT_BACK tokens sees its row exactly
+    std::map<llama_seq_id, llama_pos> kept_query = next_query;
+    for (auto & [seq, pos] : kept_query) {
+        pos = std::max<llama_pos>(0, pos - KVCOMP_CUT_BACK);
+    }
     const auto givable = [&](uint32_t s) {
         return give_away && m.slot_cell[s] >= 0 && m.slot_kinds[s] == SLOT_KIND_ROW && m.slot_pos[s] >= params.sinks &&
-               m.cell_ub[m.slot_cell[s]] < 0 && !wanted(m.slot_cell[s], m.slot_pos[s], next_query);
+               m.cell_ub[m.slot_cell[s]] < 0 && !wanted(m.slot_cell[s], m.slot_pos[s], kept_query);
     };
 
     // A cell that was removed, overwritten (now or by a state load) or moved no longer
@@ -434,12 +442,12 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
         return std::make_pair(m.slot_pos[a], a) < std::make_pair(m.slot_pos[b], b);
     });
 
-    // the tokens of this ubatch that a later query sees exactly
+    // the tokens of this ubatch that a later query sees exactly, after a cut-back too
     std::vector<bool> needs_slot(cells_ub.size(), params.pin_threshold > 0.0f);
     uint32_t n_needed = 0;
     for (uint32_t i = 0; i < cells_ub.size(); ++i) {
         for (int32_t j = 0; j < ubatch.n_seq_id[i0 + i] && !needs_slot[i]; ++j) {
-            needs_slot[i] = is_exact(ubatch.pos[i0 + i], next_query[ubatch.seq_id[i0 + i][j]], false);
+            needs_slot[i] = is_exact(ubatch.pos[i0 + i], kept_query[ubatch.seq_id[i0 + i][j]], false);
         }
         n_needed += needs_slot[i];
     }

@@ -32,6 +32,10 @@ class llama_io_read_i;
 class llama_io_write_i;
 class llm_graph_result;
 
+// Rows a sequence keeps before its window (llama_kvcomp_buffer's slot count): a cut-back by
+// that many tokens keeps every row the next query sees exactly (llama_kvcomp_seq_rm_exact).
+constexpr int32_t KVCOMP_CUT_BACK = 1;
+
 // The hooks kvcomp adds to one llama_kv_cache: the residual buffer (when any of window,
 // sinks and pins is on) and the scale tracker (kvcomp-tracker.h), which may run alone.
 struct llama_kvcomp_buffer {

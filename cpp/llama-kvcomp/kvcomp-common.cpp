@@ -526,6 +526,14 @@ void common_kvcomp_bench_usage() {
     }
 }
 
+bool common_kvcomp_bench_check(const llama_context_params & cparams) {
+    common_params params = kvcomp_bench_params();
+    params.cache_type_k    = cparams.type_k;
+    params.cache_type_v    = cparams.type_v;
+    params.flash_attn_type = cparams.flash_attn_type;
+    return common_kvcomp_check(params);
+}
+
 bool common_kvcomp_bench_apply(llama_context * ctx) {
     // llama-bench takes cache types from -ctk/-ctv only: a mode must be run on its own types
     // (K its type for the statistics when they are given)

@@ -24,5 +24,9 @@ bool common_kvcomp_apply(llama_context * ctx, const common_params & params);
 // when it is a --kv-comp-* flag and returns true; sets invalid_param on a bad value.
 bool common_kvcomp_bench_arg(int argc, char ** argv, int & i, bool & invalid_param);
 void common_kvcomp_bench_usage();
+// The checks common_kvcomp_check makes, on the context parameters of a llama-bench test, before
+// the context is made (llama-bench keeps libllama's log quiet, so the reason would be lost);
+// false (reason logged) if refused.
+bool common_kvcomp_bench_check(const llama_context_params & cparams);
 // Applies the parsed flags to a context llama-bench created; false (reason logged) if refused.
 bool common_kvcomp_bench_apply(llama_context * ctx);

@@ -5,8 +5,8 @@
 // For each cache (upstream's q8_0 as the reference, then every kvc type, every mode's knobs
 // with the scale tracker off, and with K statistics the kvct K pair and the modes that take
 // it), prompts of 38 and 512 tokens are decoded as one ubatch, as ubatches of 1, 7 and 32,
-// and, for caches without a window, as one ubatch followed by seq_rm of the last token and its
-// decode alone. The last token's logits of every way must equal the one-ubatch logits: the
+// and as one ubatch followed by seq_rm of the last token and its decode alone (the buffer
+// keeps the rows that cut-back needs: llama_kvcomp_seq_rm_exact must say so). The last token's logits of every way must equal the one-ubatch logits: the
 // bound is upstream q8_0's largest difference in the same run (0 on this build), not a
 // tolerance for another kernel's rounding.
 
@@ -28,7 +28,6 @@ struct cache_config {
     int32_t     mode;  // LLAMA_KVCOMP_MODE_CUSTOM: none
     bool        stats; // the K statistics are set
     bool        no_tracker = false; // the mode's knobs without the scale tracker
-    bool        cut_back   = true;  // the re-decode after seq_rm is compared too
 };
 
 struct runner {
@@ -75,7 +74,8 @@ struct runner {
         if (chunk > 0) {
             return decode(p.ctx, toks, 0, n, chunk);
         }
-        if (decode(p.ctx, toks, 0, n, n).empty() || !llama_memory_seq_rm(llama_get_memory(p.ctx), 0, n - 1, -1)) {
+        if (decode(p.ctx, toks, 0, n, n).empty() || llama_kvcomp_seq_rm_exact(p.ctx, 0, n - 1, -1) != 1 ||
+            !llama_memory_seq_rm(llama_get_memory(p.ctx), 0, n - 1, -1)) {
             return {};
         }
         return decode(p.ctx, toks, n - 1, n, 1);
@@ -121,9 +121,6 @@ double worst_split(report & rep, const runner & r, const cache_config & c, const
     rep.check(!whole.empty(), "%s decodes a %d-token prompt", c.name.c_str(), n);
     double worst = 0.0;
     for (const int chunk : CHUNKS) {
-        if (chunk == 0 && !c.cut_back) {
-            continue;
-        }
         const double d = max_abs_diff(r.last_logits(c, toks, n, chunk), whole);
         char buf[64];
         snprintf(buf, sizeof(buf), "%s%s %.3g", ways.empty() ? "" : ", ", chunk > 0 ? std::to_string(chunk).c_str() : "seq_rm", d);
@@ -156,11 +153,10 @@ int main(int argc, char ** argv) {
         llama_kvcomp_params kp;
         ggml_type tk, tv;
         llama_kvcomp_mode_preset(m, &kp, &tk, &tv);
-        const bool window = kp.window > 0;
-        configs.push_back({ std::string(llama_kvcomp_mode_name(m)) + " without the tracker", tk, tv, m, false, true, !window });
+        configs.push_back({ std::string(llama_kvcomp_mode_name(m)) + " without the tracker", tk, tv, m, false, true });
         const int32_t tks = llama_kvcomp_mode_type_k_stats(m);
         if (stats && tks != (int32_t) tk) {
-            configs.push_back({ std::string(llama_kvcomp_mode_name(m)) + "+stats", (ggml_type) tks, tv, m, true, false, !window });
+            configs.push_back({ std::string(llama_kvcomp_mode_name(m)) + "+stats", (ggml_type) tks, tv, m, true, false });
         }
     }
     if (stats) {
