@@ -31,8 +31,9 @@ struct llama_kvcomp_params {
     float   pin_threshold;  // relative quantization error ||x - deq(q(x))|| / ||x|| of a token above
                             // which it stays exact (0: no outlier pins)
     float   pin_budget;     // most cells pinned as outliers, in per cent of the cache size [0, 100]
-    int32_t tracker;        // 1: the scale tracker runs and removes each layer's K offset, taken from
-                            // the first ubatch a cache holds alone (quantized K only), 0: off
+    int32_t tracker;        // 1: the scale tracker runs and removes each layer's K offset, the mean of
+                            // the first 32 K rows of the sequence that starts each KV stream
+                            // (quantized K only, not kvct), 0: off
     float   ema_shallow;    // tracker EMA weight α of the first layer, (0, 1]
     float   ema_deep;       // ... of the last layer; layers between are interpolated, (0, 1]
 };
