@@ -278,16 +278,18 @@ static size_t kvcomp_state_save_file(const char * path, const std::function<size
 // fail if upstream changes them.
 constexpr uint32_t KVCOMP_SEQ_BUFFER_MAGIC = 0xaf143cd8;
 constexpr size_t   KVCOMP_SEQ_BUFFER_HEAD  = 2 * sizeof(uint32_t);
+static_assert(KVCOMP_SEQ_BUFFER_HEAD <= 3 * sizeof(uint32_t), "it fits over a file's header");
 
 // How a state file is read: load() is upstream's file reader, for a sealed file (checked before
-// it runs) and for a caller asking the token count only; load_data(src, n) reads the state
-// that follows the tokens from memory, for an unsealed file (upstream's file reader takes a
-// read past the end for zeros, so a cut-short file would be parsed from garbage); clear()
-// empties what a refused state may have restored.
+// it runs) and for a caller asking the token count only; load_data(data, off) reads the state
+// data[off, end) that follows the tokens from memory, for an unsealed file (upstream's file
+// reader takes a read past the end for zeros, so a cut-short file would be parsed from
+// garbage), and may overwrite the header and tokens before off (at least 12 bytes, already
+// read); clear() empties what a refused state may have restored.
 struct kvcomp_state_file_ops {
-    std::function<size_t()>                        load;
-    std::function<size_t(const uint8_t *, size_t)> load_data;
-    std::function<void()>                          clear;
+    std::function<size_t()>                                load;
+    std::function<size_t(std::vector<uint8_t> &, size_t)> load_data;
+    std::function<void()>                                  clear;
 };
 
 // The header of a state file (magic, version, token count), checked against what the caller
@@ -364,7 +366,7 @@ static size_t kvcomp_state_load_file(const char * path, uint32_t magic, uint32_t
                 const size_t off      = 3 * sizeof(uint32_t) + n_tokens * sizeof(llama_token);
                 std::memcpy(tokens_out, data.data() + 3 * sizeof(uint32_t), n_tokens * sizeof(llama_token));
                 *n_token_count_out = n_tokens;
-                const size_t used = ops.load_data(data.data() + off, data.size() - off);
+                const size_t used = ops.load_data(data, off);
                 if (used != 0 && used != data.size() - off) {
                     llama_kvcomp_state_failed(("the state is " + std::to_string(used) + " bytes, the file holds " +
                                                std::to_string(data.size() - off)).c_str());
@@ -489,7 +491,7 @@ bool llama_kvcomp_state_load_file(llama_context * ctx, const char * path, llama_
                                   size_t n_token_capacity, size_t * n_token_count_out) {
     const kvcomp_state_file_ops ops = {
         [&]() -> size_t { return ctx->state_load_file(path, tokens_out, n_token_capacity, n_token_count_out); },
-        [&](const uint8_t * src, size_t n) { return ctx->state_set_data(src, n); },
+        [&](std::vector<uint8_t> & data, size_t off) { return ctx->state_set_data(data.data() + off, data.size() - off); },
         [&]() { llama_memory_clear(llama_get_memory(ctx), true); },
     };
     return kvcomp_state_load_file(path, LLAMA_SESSION_MAGIC, LLAMA_SESSION_VERSION, true, n_token_capacity, tokens_out,
@@ -534,13 +536,13 @@ size_t llama_kvcomp_state_seq_load_file(llama_context * ctx, const char * path, 
                                         size_t n_token_capacity, size_t * n_token_count_out) {
     const kvcomp_state_file_ops ops = {
         [&]() { return ctx->state_seq_load_file(seq_id, path, tokens_out, n_token_capacity, n_token_count_out); },
-        [&](const uint8_t * src, size_t n) -> size_t {
-            // a sequence's buffer starts with what a file leaves out: upstream's magic and the sequence
-            std::vector<uint8_t> buf(KVCOMP_SEQ_BUFFER_HEAD + n);
+        [&](std::vector<uint8_t> & data, size_t off) -> size_t {
+            // a sequence's buffer starts with what a file leaves out, upstream's magic and the
+            // sequence: written over the tokens' last bytes, in place
+            const size_t   at      = off - KVCOMP_SEQ_BUFFER_HEAD;
             const uint32_t head[2] = { KVCOMP_SEQ_BUFFER_MAGIC, (uint32_t) seq_id };
-            std::memcpy(buf.data(), head, sizeof(head));
-            std::memcpy(buf.data() + KVCOMP_SEQ_BUFFER_HEAD, src, n);
-            const size_t used = ctx->state_seq_set_data(seq_id, buf.data(), buf.size(), 0);
+            std::memcpy(data.data() + at, head, sizeof(head));
+            const size_t used = ctx->state_seq_set_data(seq_id, data.data() + at, data.size() - at, 0);
             return used >= KVCOMP_SEQ_BUFFER_HEAD ? used - KVCOMP_SEQ_BUFFER_HEAD : 0;
         },
         [&]() { llama_memory_seq_rm(llama_get_memory(ctx), seq_id, -1, -1); },
