@@ -30,9 +30,10 @@ def calibration_text() -> Path:
     return out
 
 
-# The statistics' version llama-kvcomp-calibrate writes (3: sealed with a checksum and bound
-# to the model's weights); a file of an older version is measured again rather than reused.
-KSTATS_VERSION = 3
+# The statistics' version llama-kvcomp-calibrate writes (4: sealed with a checksum and bound
+# to the model's token embeddings); a file of an older version is measured again rather than
+# reused.
+KSTATS_VERSION = 4
 
 
 def kstats_path(model: Path) -> Path:

@@ -91,6 +91,20 @@ def test_statistics_carry_over_to_another_quantization(bins: Path, model: Path, 
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-1500:]
 
 
+def test_statistics_of_a_model_whose_weights_are_repacked(bins: Path, model: Path, text: Path, tmp_path: Path) -> None:
+    # The CPU backend repacks Q4_0 MUL_MAT weights on x86 and cannot read them back: the
+    # statistics' signature comes from the token embeddings, which it never repacks (reading the
+    # K projection there crashed calibration and loading). The Q4_1 file's statistics are the
+    # same model's.
+    q40 = tmp_path / "q4_0.gguf"
+    subprocess.run([str(bins / "llama-quantize"), str(models.fetch_model("smollm2-135m-f32")), str(q40), "Q4_0", "2"],
+                   capture_output=True, text=True, timeout=300, check=True)
+    own = calibrate.calibrate(q40, tmp_path / "q4_0.kstats.gguf", ctx=64, chunks=1)
+    for stats in (own, calibrate.ensure_kstats(model)):
+        proc = _perplexity(bins, q40, text, "-ctk", "kvct4", "--kv-comp-kstats", str(stats))
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-1500:]
+
+
 def test_monitor_leaves_out_what_no_tracker_measures(model: Path) -> None:
     # A kvct K cache has no scale tracker: its round-trip error is not measured and must not
     # read as 0 (a perfect cache); the buffer's norms still are.

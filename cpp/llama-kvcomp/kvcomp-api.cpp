@@ -225,10 +225,7 @@ int32_t llama_kvcomp_set_k_stats(llama_context * ctx, const char * path) {
     if (!stats) {
         return llama_kvcomp_fail(-1, "K statistics: " + err);
     }
-    std::vector<float> signature(LLAMA_KVCOMP_SIGNATURE_MAX);
-    const int32_t n_sig = llama_kvcomp_model_signature(llama_get_model(ctx), signature.data(), (int32_t) signature.size());
-    signature.resize(std::max(n_sig, 0));
-    err = stats->check_model(signature);
+    err = stats->check_model(llama_kvcomp_signature_of(llama_get_model(ctx)));
     if (!err.empty()) {
         return llama_kvcomp_fail(-1, "K statistics: " + err);
     }
@@ -242,32 +239,35 @@ int32_t llama_kvcomp_set_k_stats(llama_context * ctx, const char * path) {
 }
 
 int32_t llama_kvcomp_model_signature(const llama_model * model, float * out, int32_t n_max) {
-    if (!model || !out || n_max <= 0 || model->layers.empty()) {
-        return 0;
-    }
-    const ggml_tensor * w = model->layers[0].wk ? model->layers[0].wk : model->layers[0].wqkv;
-    if (!w || !w->buffer) {
-        return 0;
-    }
-    const int64_t n_rows = std::min<int64_t>(w->ne[1], std::max<int64_t>(1, n_max / w->ne[0]));
-    if (n_rows * w->ne[0] > n_max) {
+    // the token embeddings: a GET_ROWS weight, which no backend repacks (the CPU's repacked
+    // MUL_MAT weights cannot be read back), so every machine reads the same values
+    const ggml_tensor * w = model ? model->tok_embd : nullptr;
+    if (!w || !w->buffer || !out || n_max <= 0) {
         return 0;
     }
     const ggml_type_traits * tt = ggml_get_type_traits(w->type);
     if (w->type != GGML_TYPE_F32 && !tt->to_float) {
         return -1;
     }
+    // whole rows from the middle of the vocabulary (its first tokens are often special ones,
+    // some never trained), or that row's leading whole blocks when one row is longer than n_max
+    const int64_t n_rows = std::min<int64_t>(w->ne[1], std::max<int64_t>(1, n_max / w->ne[0]));
+    const int64_t n_cols = std::min<int64_t>(w->ne[0], n_max - n_max % ggml_blck_size(w->type));
+    const int64_t r0     = (w->ne[1] - n_rows) / 2;
+    if (n_cols <= 0) {
+        return 0;
+    }
     std::vector<uint8_t> raw(n_rows * w->nb[1]);
-    ggml_backend_tensor_get(w, raw.data(), 0, raw.size());
+    ggml_backend_tensor_get(w, raw.data(), r0 * w->nb[1], raw.size());
     for (int64_t r = 0; r < n_rows; ++r) {
         const uint8_t * row = raw.data() + r * w->nb[1];
         if (w->type == GGML_TYPE_F32) {
-            std::memcpy(out + r * w->ne[0], row, w->ne[0] * sizeof(float));
+            std::memcpy(out + r * n_cols, row, n_cols * sizeof(float));
         } else {
-            tt->to_float(row, out + r * w->ne[0], w->ne[0]);
+            tt->to_float(row, out + r * n_cols, n_cols);
         }
     }
-    return (int32_t) (n_rows * w->ne[0]);
+    return (int32_t) (n_rows * n_cols);
 }
 
 int32_t llama_kvcomp_get_config(llama_context * ctx, llama_kvcomp_params * params) {

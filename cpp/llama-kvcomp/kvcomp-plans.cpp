@@ -59,7 +59,7 @@ std::string llama_kvcomp_kstats::check_model(const std::vector<float> & model_si
     const double ratio  = n_model > 0.0 ? std::sqrt(n_file / n_model) : 0.0;
     if (cosine < LLAMA_KVCOMP_KSTATS_MIN_COSINE || (n_model > 0.0 && (ratio < 0.8 || ratio > 1.25))) {
         char buf[128];
-        snprintf(buf, sizeof(buf), " (its K projection matches this model's at cosine %.3f, norm ratio %.3f)", cosine, ratio);
+        snprintf(buf, sizeof(buf), " (its token embeddings match this model's at cosine %.3f, norm ratio %.3f)", cosine, ratio);
         return other + buf;
     }
     return "";

@@ -11,11 +11,13 @@
 #include "kvc-transform.h"
 #include "kvcomp-hash.h"
 #include "kvcomp-storage.h"
+#include "llama-kvcomp.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "gguf.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -121,7 +123,7 @@ private:
 };
 
 // The GGUF keys and tensor names of a statistics file, shared with the tool that writes it.
-#define LLAMA_KVCOMP_KSTATS_VERSION    3 // 3: sealed and signed with the model; older ones are measured again
+#define LLAMA_KVCOMP_KSTATS_VERSION    4 // sealed and signed with the model; older ones are measured again
 #define LLAMA_KVCOMP_KSTATS_KEY_PRE    "kvcomp.kstats.pre_rope"
 #define LLAMA_KVCOMP_KSTATS_KEY_VER    "kvcomp.kstats.version"
 #define LLAMA_KVCOMP_KSTATS_KEY_ARCH   "kvcomp.kstats.architecture"
@@ -186,6 +188,14 @@ inline uint64_t llama_kvcomp_kstats_digest(const gguf_context * g, ggml_context 
         }
     }
     return h.digest();
+}
+
+// The model's signature as a vector, at most LLAMA_KVCOMP_SIGNATURE_MAX values (empty for a
+// model that has none), as the loader compares it and the writers store it.
+inline std::vector<float> llama_kvcomp_signature_of(const llama_model * model) {
+    std::vector<float> sig(LLAMA_KVCOMP_SIGNATURE_MAX);
+    sig.resize(std::max<int32_t>(0, llama_kvcomp_model_signature(model, sig.data(), (int32_t) sig.size())));
+    return sig;
 }
 
 // Seals a statistics file about to be written: its checksum key, last.

@@ -119,10 +119,11 @@ LLAMA_API int32_t llama_kvcomp_configure(struct llama_context * ctx, const struc
 // -3 for an allocation failure.
 LLAMA_API int32_t llama_kvcomp_set_k_stats(struct llama_context * ctx, const char * path);
 
-// The values a statistics file is bound to: the first whole rows of layer 0's K projection
-// (attn_k, or the fused attn_qkv) as F32, at most n_max of them. The same model quantized
-// another way gives nearly the same values; another model's are unrelated. Returns how many
-// were written: 0 for a model with neither tensor, -1 for one whose type cannot be read back.
+// The values a statistics file is bound to: whole rows of the token embeddings from the middle
+// of the vocabulary (token_embd, which no backend repacks), as F32, at most n_max of them. The
+// same model quantized another way gives nearly the same values; another model's are
+// unrelated. Returns how many were written: 0 for a model without them, -1 for one whose type
+// cannot be read back.
 LLAMA_API int32_t llama_kvcomp_model_signature(const struct llama_model * model, float * out, int32_t n_max);
 
 // The knobs in effect (as configured; every knob off when nothing is attached). Returns 0,

@@ -63,8 +63,7 @@ bool write_stats(const llama_model * model, const std::string & path, const stat
     const int n_layer = llama_model_n_layer(model);
     const int n_kv    = llama_model_n_head_kv(model) + spec.n_head_kv_extra;
     const int d       = llama_model_n_embd(model) / llama_model_n_head(model);
-    std::vector<float> signature(LLAMA_KVCOMP_SIGNATURE_MAX);
-    signature.resize(std::max(0, llama_kvcomp_model_signature(model, signature.data(), (int32_t) signature.size())));
+    std::vector<float> signature = llama_kvcomp_signature_of(model);
     if (spec.other_signature) {
         std::reverse(signature.begin(), signature.end());
     }

@@ -187,10 +187,10 @@ bool calib_eval_cb(ggml_tensor * t, bool ask, void * user_data) {
 
 bool write_stats(const calib_state & st, const llama_model * model, const std::string & arch, uint64_t n_tokens,
                  const std::string & path) {
-    std::vector<float> signature(LLAMA_KVCOMP_SIGNATURE_MAX);
-    const int32_t n_sig = llama_kvcomp_model_signature(model, signature.data(), (int32_t) signature.size());
-    if (n_sig <= 0) {
-        LOG_ERR("layer 0's K projection (the statistics' signature) is missing or cannot be read back as F32\n");
+    const std::vector<float> signature = llama_kvcomp_signature_of(model);
+    const int64_t n_sig = (int64_t) signature.size();
+    if (n_sig == 0) {
+        LOG_ERR("the token embeddings (the statistics' signature) are missing or cannot be read back as F32\n");
         return false;
     }
     size_t n_bytes = ggml_tensor_overhead() + (size_t) n_sig * sizeof(float);
