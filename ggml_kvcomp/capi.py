@@ -102,6 +102,13 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     # int32_t llama_kvcomp_set_k_stats(struct llama_context * ctx, const char * path);
     llama.llama_kvcomp_set_k_stats.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     llama.llama_kvcomp_set_k_stats.restype = ctypes.c_int32
+    # int32_t llama_kvcomp_set_k_stats_auto(struct llama_context * ctx, const char * cache_dir,
+    #                                       llama_progress_callback progress, void * user_data);
+    llama.llama_kvcomp_set_k_stats_auto.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p]
+    llama.llama_kvcomp_set_k_stats_auto.restype = ctypes.c_int32
+    # const char * llama_kvcomp_k_stats_source(void);
+    llama.llama_kvcomp_k_stats_source.argtypes = []
+    llama.llama_kvcomp_k_stats_source.restype = ctypes.c_char_p
     # int32_t llama_kvcomp_mode_type_k_stats(int32_t mode);
     llama.llama_kvcomp_mode_type_k_stats.argtypes = [ctypes.c_int32]
     llama.llama_kvcomp_mode_type_k_stats.restype = ctypes.c_int32

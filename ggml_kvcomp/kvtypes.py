@@ -34,8 +34,9 @@ KNOBS: dict[str, tuple[str, str]] = {
     "b": ("pin_budget", "--kv-comp-pin-budget"),
     "t": ("tracker", "--kv-comp-tracker"),
     "m": ("monitor", "--kv-comp-monitor"),
-    # 1: the model's K statistics loaded, a mode's K its type for them (no flag of its own); 2: also the
-    # model's measured per-layer profile (--kv-comp-layers, `kvcomp calibrate --layers`)
+    # 1: the model's K statistics measured on the corpus loaded (--kv-comp-kstats FILE), a mode's K its type
+    # for them; 2: also the model's measured per-layer profile (--kv-comp-layers, `kvcomp calibrate --layers`);
+    # 3: the statistics the library measures itself on its built-in text (what `--kv-comp MODE` alone runs)
     "k": ("kstats", ""),
     "l": ("k_layers", "--kv-comp-k-layers"),  # per-layer K rule: 0 same, 1 edges (K_LAYERS_NAMES)
 }
@@ -55,7 +56,7 @@ class KvConfig:
     tracker: int = 0  # --kv-comp-tracker (1 on)
     mode: ModeName | None = None  # --kv-comp; the knobs above then start from its preset
     monitor: int = 1  # --kv-comp-monitor (on with kvcomp; 0 off)
-    kstats: int = 0  # 1: a mode with the model's K statistics (--kv-comp-kstats), K its type for them
+    kstats: int = 0  # a mode with the model's K statistics, K its type for them: 1 corpus file, 2 + profile, 3 auto
     k_layers: int = 0  # --kv-comp-k-layers: index in K_LAYERS_NAMES (a mode with kstats: its rule)
 
     def __post_init__(self) -> None:
@@ -75,8 +76,9 @@ class KvConfig:
             raise ValueError(f"the per-layer K rule is one of {rules}")
         if self.tracker not in (0, 1) or self.monitor not in (0, 1):
             raise ValueError("the tracker and the monitor are 1 (on) or 0 (off)")
-        if self.kstats not in (0, 1, 2):
-            raise ValueError("the K statistics are 0 (off), 1 (on) or 2 (on, with the model's layer profile)")
+        if self.kstats not in (0, 1, 2, 3):
+            raise ValueError("the K statistics are 0 (off), 1 (measured on the corpus), 2 (1 with the model's layer "
+                             "profile) or 3 (measured by the library on its built-in text)")
         if self.kstats and self.mode is None:
             raise ValueError(f"':k{self.kstats}' goes with a mode (e.g. 'balanced:k1'); a plain pair names its K type "
                              "(kvct4/kvc3)")
@@ -106,8 +108,9 @@ class KvConfig:
 
     @property
     def needs_kstats(self) -> bool:
-        """Whether K is a kvct type, which loads the model's K statistics."""
-        return self.type_k in KVCT_TYPES
+        """Whether K is a kvct type that loads the model's K statistics from the corpus file (with
+        ':k3' the library measures its own)."""
+        return self.type_k in KVCT_TYPES and self.kstats != 3
 
     @property
     def buffered(self) -> bool:
@@ -128,7 +131,7 @@ class KvConfig:
         """'kvc4' means K and V kvc4; 'kvc8/kvc4' means K kvc8, V kvc4; a mode name
         ('balanced') means its preset. Knobs follow as ':<letter><value>': w window, s sinks,
         n merge interval, p pin threshold, b pin budget (per cent), t tracker (0/1), k K
-        statistics (0/1, with a mode: its K type for them), e.g. 'kvc4:w32:s4', 'kvc4:w32:p0.2:b2',
+        statistics (with a mode: its K type for them; 1 the corpus file, 3 the library's own), e.g. 'kvc4:w32:s4', 'kvc4:w32:p0.2:b2',
         'balanced:w64' or 'balanced:k1'."""
         types, *knobs = spec.split(":")
         k, _, v = types.partition("/")

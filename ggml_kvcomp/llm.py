@@ -33,6 +33,7 @@ from .capi import (
     type_id,
     type_name,
 )
+from .kvtypes import KVCT_TYPES
 from .paths import bin_dir
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Config", "StateError", "configure", "get_config", "import_llama_cpp", "load_session_file", "load_state",
-    "new_llama", "open_llama", "set_k_stats", "set_mode", "snapshot", "snapshot_text", "stats", "type_id", "type_name",
+    "k_stats_source", "new_llama", "open_llama", "set_k_stats", "set_mode", "snapshot", "snapshot_text", "stats", "type_id", "type_name",
 ]
 
 
@@ -86,18 +87,21 @@ def new_llama(model: str | Path, type_k: str, type_v: str, *, n_ctx: int = 2048,
 
 
 def open_llama(model: str | Path, mode: ModeName = "balanced", *, n_ctx: int = 2048, n_threads: int = 2,
-               kstats: str | Path | None = None, k_layers: KLayersName | None = None,
+               kstats: str | Path | None = "auto", k_layers: KLayersName | None = None,
                layers: str | Path | None = None, **knobs: float) -> llama_cpp.Llama:
     """A llama_cpp.Llama whose KV cache runs `mode`: its K/V types, flash attention, and its
     knobs, of which `knobs` (window, sinks, merge_interval, merge_at, pin_threshold,
-    pin_budget, tracker) override single ones. With `kstats` (the model's K statistics,
-    `kvcomp calibrate`), K takes the mode's type for them (kvct4 for low-latency and balanced)
-    and the mode's per-layer K rule (balanced: "edges"), or `k_layers`; `layers`, a profile
-    from `kvcomp calibrate --layers`, replaces the rule (both are read when the context is made,
-    and hold for this context only)."""
+    pin_budget, tracker) override single ones. K takes the mode's type for the model's K
+    statistics (kvct4 for low-latency and balanced) and the mode's per-layer K rule (balanced:
+    "edges"), or `k_layers`. The statistics are `kstats`: "auto" (measured by the library on
+    first use of the model and cached, as the tools do), a file from `kvcomp calibrate`, or
+    "none"/None (the mode's plain K type). `layers`, a profile from `kvcomp calibrate
+    --layers`, replaces the rule (both are read when the context is made, and hold for this
+    context only)."""
     preset = mode_preset(mode)
-    type_k = preset.type_k_stats if kstats is not None else preset.type_k
-    rule: KLayersName = k_layers or (preset.k_layers if kstats is not None else "same")  # type: ignore[assignment]
+    with_stats = kstats is not None and str(kstats) != "none"
+    type_k = preset.type_k_stats if with_stats else preset.type_k
+    rule: KLayersName = k_layers or (preset.k_layers if with_stats else "same")  # type: ignore[assignment]
     # the rule is process-wide and read when the context is made: set for this one only
     before = get_k_layers()
     set_k_layers(rule)
@@ -109,18 +113,29 @@ def open_llama(model: str | Path, mode: ModeName = "balanced", *, n_ctx: int = 2
         set_k_layers(before)
         if layers is not None:
             load_layers(None)
-    if kstats is not None:
-        set_k_stats(llm, kstats)
+    if with_stats and type_k in KVCT_TYPES:
+        set_k_stats(llm, kstats)  # type: ignore[arg-type]
     configure(llm, mode, **knobs)
     return llm
 
 
 def set_k_stats(llm: llama_cpp.Llama, path: str | Path) -> None:
     """Loads the model's K statistics into an open Llama whose K cache is kvct4/kvct3 (before
-    its first token; another K type ignores them)."""
-    rc = lib().llama_kvcomp_set_k_stats(_ctx(llm), str(path).encode())
+    its first token; another K type ignores them): a file, or "auto" for the ones the library
+    measures itself (cached per model)."""
+    c = lib()
+    auto = str(path) == "auto"
+    rc = c.llama_kvcomp_set_k_stats_auto(_ctx(llm), None, None, None) if auto else c.llama_kvcomp_set_k_stats(_ctx(llm), str(path).encode())
     if rc != 0:
-        raise RuntimeError(f"llama_kvcomp_set_k_stats failed ({rc}): {last_error() or 'see the log'}")
+        name = "llama_kvcomp_set_k_stats_auto" if auto else "llama_kvcomp_set_k_stats"
+        raise RuntimeError(f"{name} failed ({rc}): {last_error() or 'see the log'}")
+
+
+def k_stats_source() -> str:
+    """Where the K statistics this thread last applied came from (a file, the cache, a fresh
+    measuring run), in words."""
+    src: bytes | None = lib().llama_kvcomp_k_stats_source()
+    return src.decode() if src else ""
 
 
 def configure(llm: llama_cpp.Llama, mode: ModeName, **knobs: float) -> None:

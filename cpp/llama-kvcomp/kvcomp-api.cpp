@@ -235,7 +235,31 @@ int32_t llama_kvcomp_set_k_stats(llama_context * ctx, const char * path) {
             return rc;
         }
     }
+    llama_kvcomp_k_stats_note() = std::string("read from ") + path;
     return 0;
+}
+
+std::string & llama_kvcomp_k_stats_note() {
+    static thread_local std::string note;
+    return note;
+}
+
+const char * llama_kvcomp_k_stats_source(void) {
+    return llama_kvcomp_k_stats_note().c_str();
+}
+
+bool llama_kvcomp_kv_on_host(const llama_model * model, bool offload_kqv) {
+    if (!model || !offload_kqv) {
+        return true;
+    }
+    // the cache places each layer where the model placed it (llama_kv_cache, dev_layer)
+    for (int il = 0; il < (int) model->hparams.n_layer(); ++il) {
+        ggml_backend_dev_t dev = model->dev_layer(il);
+        if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            return false;
+        }
+    }
+    return true;
 }
 
 int32_t llama_kvcomp_model_signature(const llama_model * model, float * out, int32_t n_max) {

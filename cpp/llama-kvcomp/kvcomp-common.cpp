@@ -48,10 +48,17 @@ static void kvcomp_set(common_params & params, const char * flag, kvcomp_knob kn
     kvcomp_knobs_set() |= 1u << knob;
 }
 
-// --kv-comp-kstats FILE (empty: none)
+// --kv-comp-kstats FILE (empty: auto or none)
 static std::string & kvcomp_kstats_path() {
     static std::string path;
     return path;
+}
+
+// --kv-comp-kstats none: kvct K is off; without it (or with auto) the library measures the
+// statistics itself when K is a kvct type (llama_kvcomp_set_k_stats_auto)
+static bool & kvcomp_kstats_none() {
+    static bool none = false;
+    return none;
 }
 
 // --kv-comp-k-layers RULE (-1: the mode's rule with K statistics, else same)
@@ -68,7 +75,7 @@ static void kvcomp_apply_k_layers(const common_params & params, ggml_type type_k
     if (rule < 0) {
         const int32_t mode = params.kvcomp.mode;
         const bool preset = mode != LLAMA_KVCOMP_MODE_OFF && mode != LLAMA_KVCOMP_MODE_CUSTOM;
-        rule = preset && !kvcomp_kstats_path().empty() && type_k == (ggml_type) llama_kvcomp_mode_type_k_stats(mode) ?
+        rule = preset && !kvcomp_kstats_none() && type_k == (ggml_type) llama_kvcomp_mode_type_k_stats(mode) ?
             llama_kvcomp_mode_k_layers(mode) : LLAMA_KVCOMP_K_LAYERS_SAME;
     }
     llama_kvcomp_set_k_layers(rule);
@@ -82,8 +89,8 @@ static bool & kvcomp_k_from_mode() {
 }
 
 // --kv-comp MODE: the mode's knobs and cache types, except what was given explicitly. A
-// cache type counts as given when it is not upstream's default (f16). With K statistics,
-// K is the mode's type for them (llama_kvcomp_mode_type_k_stats).
+// cache type counts as given when it is not upstream's default (f16). K is the mode's type for
+// its K statistics (llama_kvcomp_mode_type_k_stats) unless they are turned off.
 static void kvcomp_set_mode(common_params & params, const std::string & name) {
     const int32_t mode = llama_kvcomp_mode_from_name(name.c_str());
     llama_kvcomp_params preset;
@@ -107,7 +114,7 @@ static void kvcomp_set_mode(common_params & params, const std::string & name) {
         p.ema_deep    = preset.ema_deep;
     }
     if (params.cache_type_k == GGML_TYPE_F16) {
-        params.cache_type_k = kvcomp_kstats_path().empty() ? type_k : (ggml_type) llama_kvcomp_mode_type_k_stats(mode);
+        params.cache_type_k = kvcomp_kstats_none() ? type_k : (ggml_type) llama_kvcomp_mode_type_k_stats(mode);
         kvcomp_k_from_mode() = true;
     }
     if (params.cache_type_v == GGML_TYPE_F16) {
@@ -220,19 +227,26 @@ std::vector<common_arg> common_kvcomp_args() {
         }
     ).set_env("LLAMA_ARG_KV_COMP"));
     args.push_back(common_arg(
-        {"--kv-comp-kstats"}, "FILE",
-        "kvcomp: K statistics of the model (GGUF, written by `kvcomp calibrate`), from which a kvct K cache "
-        "(-ctk) fits its per-layer, per-head plans; required by those types, ignored by the others; with them "
-        "--kv-comp low-latency and balanced store K as kvct4",
+        {"--kv-comp-kstats"}, "FILE|auto|none",
+        "kvcomp: the model's K statistics, from which a kvct K cache (-ctk kvct*, and the K of --kv-comp low-latency "
+        "and balanced) fits its per-layer, per-head plans. auto (default): measured by the library on a built-in text "
+        "on first use of the model and cached (KVCOMP_CACHE/kstats, else ~/.cache/kvcomp/kstats); FILE: a file "
+        "`kvcomp calibrate` wrote; none: no statistics, the modes store K as kvc4",
         [](common_params & params, const std::string & value) {
             if (value.empty()) {
-                throw std::invalid_argument("--kv-comp-kstats: empty path");
+                throw std::invalid_argument("--kv-comp-kstats: empty path (FILE, auto or none)");
             }
-            kvcomp_kstats_path() = value;
+            kvcomp_kstats_none() = value == "none";
+            kvcomp_kstats_path() = value == "none" || value == "auto" ? std::string() : value;
             ggml_type mode_k = GGML_TYPE_COUNT;
-            if (kvcomp_k_from_mode() && llama_kvcomp_mode_preset(params.kvcomp.mode, nullptr, &mode_k, nullptr) == 0 &&
-                params.cache_type_k == mode_k) {
-                params.cache_type_k = (ggml_type) llama_kvcomp_mode_type_k_stats(params.kvcomp.mode);
+            if (!kvcomp_k_from_mode() || llama_kvcomp_mode_preset(params.kvcomp.mode, nullptr, &mode_k, nullptr) != 0) {
+                return;
+            }
+            const ggml_type stats_k = (ggml_type) llama_kvcomp_mode_type_k_stats(params.kvcomp.mode);
+            if (kvcomp_kstats_none() && params.cache_type_k == stats_k) {
+                params.cache_type_k = mode_k;
+            } else if (!kvcomp_kstats_none() && params.cache_type_k == mode_k) {
+                params.cache_type_k = stats_k;
             }
         }
     ).set_env("LLAMA_ARG_KV_COMP_KSTATS"));
@@ -240,7 +254,7 @@ std::vector<common_arg> common_kvcomp_args() {
         {"--kv-comp-k-layers"}, "RULE",
         "kvcomp: per-layer K types: 'same' (every layer the -ctk type) or 'edges' (a kvct4 K cache stores its first "
         "layer and the last sixth of its layers as kvct3: 0.2 bits less K for a measured +0-5% KLD, docs/kv-rows.md); "
-        "default: edges for --kv-comp balanced with --kv-comp-kstats, same otherwise",
+        "default: edges for --kv-comp balanced with K statistics (not --kv-comp-kstats none), same otherwise",
         [](common_params &, const std::string & value) {
             const int32_t rule = llama_kvcomp_k_layers_from_name(value.c_str());
             if (rule < 0) {
@@ -419,8 +433,58 @@ static void kvcomp_log_config(const llama_kvcomp_params & p, ggml_type type_k, g
 }
 
 static void kvcomp_log_needs_kstats(ggml_type type_k) {
-    LOG_ERR("kvcomp: -ctk %s needs the model's K statistics: --kv-comp-kstats FILE (`kvcomp calibrate -m MODEL` writes it)\n",
-            ggml_type_name(type_k));
+    LOG_ERR("kvcomp: -ctk %s needs the model's K statistics, and --kv-comp-kstats none was given: drop it (they are "
+            "measured on first use) or give a file\n", ggml_type_name(type_k));
+}
+
+// The K statistics of a context whose K is a kvct type: the file given, or measured by the
+// library (cached per model).
+static bool kvcomp_apply_kstats(llama_context * ctx) {
+    ggml_type type_k = GGML_TYPE_COUNT, type_v = GGML_TYPE_COUNT;
+    if (llama_kvcomp_get_cache_types(ctx, &type_k, &type_v) != 0 || !ggml_kvcomp_is_kvct(type_k) || kvcomp_kstats_none()) {
+        return true;
+    }
+    // the measuring run's progress, in tenths, on one line
+    const auto progress = [](float done, void * user_data) {
+        int & shown = *(int *) user_data;
+        if (shown < 0) {
+            LOG_INF("kvcomp: measuring the model's K statistics on the built-in text (once per model) ");
+            shown = 0;
+        }
+        for (; shown < (int) (done * 10.0f); ++shown) {
+            LOG_CNT(".");
+        }
+        if (done >= 1.0f) {
+            LOG_CNT(" done\n");
+        }
+        return true;
+    };
+    int shown = -1;
+    const bool file = !kvcomp_kstats_path().empty();
+    if ((file ? llama_kvcomp_set_k_stats(ctx, kvcomp_kstats_path().c_str()) :
+                llama_kvcomp_set_k_stats_auto(ctx, nullptr, progress, &shown)) != 0) {
+        const char * why = llama_kvcomp_last_error();
+        LOG_ERR("kvcomp: the K statistics could not be applied: %s\n", why ? why : "see the reason above");
+        return false;
+    }
+    LOG_INF("kvcomp: K statistics: %s\n", llama_kvcomp_k_stats_source());
+    return true;
+}
+
+bool common_kvcomp_check(const common_params & params, llama_context_params & cparams, const llama_model * model) {
+    // the kvct kernels run on the CPU only: a mode whose K cache lands on another device (a GPU,
+    // an RPC server) keeps its plain K type rather than fail to run
+    ggml_type mode_k = GGML_TYPE_COUNT;
+    if (kvcomp_k_from_mode() && ggml_kvcomp_is_kvct(cparams.type_k) && kvcomp_kstats_path().empty() &&
+        llama_kvcomp_mode_preset(params.kvcomp.mode, nullptr, &mode_k, nullptr) == 0 &&
+        !llama_kvcomp_kv_on_host(model, cparams.offload_kqv)) {
+        LOG_INF("kvcomp: the K cache is on a device without kvct kernels: --kv-comp %s stores K as %s\n",
+                llama_kvcomp_mode_name(params.kvcomp.mode), ggml_type_name(mode_k));
+        cparams.type_k = mode_k;
+    }
+    common_params p = params;
+    p.cache_type_k = cparams.type_k;
+    return common_kvcomp_check(p);
 }
 
 bool common_kvcomp_check(const common_params & params) {
@@ -433,7 +497,7 @@ bool common_kvcomp_check(const common_params & params) {
         return false;
     }
     if (ggml_kvcomp_is_kvct(params.cache_type_k)) {
-        if (kvcomp_kstats_path().empty()) {
+        if (kvcomp_kstats_none()) {
             kvcomp_log_needs_kstats(params.cache_type_k);
             return false;
         }
@@ -462,9 +526,7 @@ bool common_kvcomp_check(const common_params & params) {
 
 bool common_kvcomp_apply(llama_context * ctx, const common_params & params) {
     llama_kvcomp_params p = params.kvcomp;
-    if (!kvcomp_kstats_path().empty() && llama_kvcomp_set_k_stats(ctx, kvcomp_kstats_path().c_str()) != 0) {
-        const char * why = llama_kvcomp_last_error();
-        LOG_ERR("kvcomp: the K statistics could not be applied: %s\n", why ? why : "see the reason above");
+    if (!kvcomp_apply_kstats(ctx)) {
         return false;
     }
     if (p.mode == LLAMA_KVCOMP_MODE_CUSTOM && p.window == 0 && p.sinks == 0 && p.pin_threshold == 0.0f && p.tracker == 0) {
@@ -541,15 +603,16 @@ bool common_kvcomp_bench_apply(llama_context * ctx) {
     ggml_type want_k, want_v, type_k = GGML_TYPE_COUNT, type_v = GGML_TYPE_COUNT;
     const bool preset = llama_kvcomp_mode_preset(params.kvcomp.mode, nullptr, &want_k, &want_v) == 0 &&
                         llama_kvcomp_get_cache_types(ctx, &type_k, &type_v) == 0;
-    if (preset && !kvcomp_kstats_path().empty()) {
-        want_k = (ggml_type) llama_kvcomp_mode_type_k_stats(params.kvcomp.mode);
+    // a mode runs on its plain K, or on its K for the statistics unless they are turned off
+    if (preset && !kvcomp_kstats_none() && type_k == (ggml_type) llama_kvcomp_mode_type_k_stats(params.kvcomp.mode)) {
+        want_k = type_k;
     }
     if (preset && (type_k != want_k || type_v != want_v)) {
         LOG_ERR("kvcomp: --kv-comp %s runs on -ctk %s -ctv %s in llama-bench (got %s/%s)\n", llama_kvcomp_mode_name(params.kvcomp.mode),
             ggml_type_name(want_k), ggml_type_name(want_v), ggml_type_name(type_k), ggml_type_name(type_v));
         return false;
     }
-    if (llama_kvcomp_get_cache_types(ctx, &type_k, &type_v) == 0 && ggml_kvcomp_is_kvct(type_k) && kvcomp_kstats_path().empty()) {
+    if (llama_kvcomp_get_cache_types(ctx, &type_k, &type_v) == 0 && ggml_kvcomp_is_kvct(type_k) && kvcomp_kstats_none()) {
         kvcomp_log_needs_kstats(type_k);
         return false;
     }

@@ -15,6 +15,9 @@ std::vector<common_arg> common_kvcomp_args();
 // Before the context is created: refuses, with the fix in the message, what upstream would
 // refuse less clearly (a mode's quantized V cache with -fa off).
 bool common_kvcomp_check(const common_params & params);
+// The same for the context params of model about to be made: a mode whose kvct K cache would
+// land on a device without kvct kernels gets its plain K type in cparams instead (logged).
+bool common_kvcomp_check(const common_params & params, llama_context_params & cparams, const llama_model * model);
 
 // Applies params.kvcomp to a freshly created context; logs the reason and returns false
 // when the combination is not supported.

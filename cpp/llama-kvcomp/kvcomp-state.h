@@ -49,3 +49,7 @@ void llama_kvcomp_set_last_error(const std::string & reason);
 
 // Logs why a call failed, keeps it for llama_kvcomp_last_error and returns rc.
 int32_t llama_kvcomp_fail(int32_t rc, const std::string & why);
+
+// Where the K statistics applied by this thread's last successful llama_kvcomp_set_k_stats or
+// _auto call came from (llama_kvcomp_k_stats_source).
+std::string & llama_kvcomp_k_stats_note();

@@ -119,6 +119,40 @@ LLAMA_API int32_t llama_kvcomp_configure(struct llama_context * ctx, const struc
 // -3 for an allocation failure.
 LLAMA_API int32_t llama_kvcomp_set_k_stats(struct llama_context * ctx, const char * path);
 
+// The first positions of every chunk a statistics run leaves out: the attention sinks sit far
+// from the other rows, and the modes keep them exact.
+#define LLAMA_KVCOMP_CALIB_SKIP_FIRST 4
+
+// Measures the model's K statistics (the file llama_kvcomp_set_k_stats loads) by running it over
+// tokens with an exact F16 cache, in chunks of n_chunk tokens at positions 0..n_chunk-1, the
+// first skip_first of each left out, on a context of its own; writes them, sealed, to path.
+// The result depends on the model, the tokens and the chunking only (not on the threads).
+// progress as in llama_kvcomp_set_k_stats_auto. Returns 0, or -1 with the reason in
+// llama_kvcomp_last_error.
+LLAMA_API int32_t llama_kvcomp_measure_k_stats(struct llama_model * model, const llama_token * tokens, int32_t n_tokens,
+                                               int32_t n_chunk, int32_t skip_first, int32_t n_threads, const char * path,
+                                               llama_progress_callback progress, void * user_data);
+
+// The K statistics without a file: on first use of a model the library measures them on a
+// built-in text (about 2K tokens; fewer for models past 1B parameters) and keeps them in
+// cache_dir (NULL: $KVCOMP_CACHE/kstats, else ~/.cache/kvcomp/kstats) under a name made from
+// the model's fingerprint (shape, RoPE, token-embedding signature, normalisation weights);
+// later starts read that file. A cached file that is damaged or another model's is measured
+// again, never used; a folder that cannot be written gives statistics for this run only (a
+// warning says so). Then as llama_kvcomp_set_k_stats. progress (may be NULL) is called with
+// the share done before each chunk of the measuring run and with 1 at its end; returning false
+// stops it (-1).
+LLAMA_API int32_t llama_kvcomp_set_k_stats_auto(struct llama_context * ctx, const char * cache_dir,
+                                                llama_progress_callback progress, void * user_data);
+
+// Where the statistics the last successful llama_kvcomp_set_k_stats or _auto call of this thread
+// applied came from, in words for a log line ("" before any).
+LLAMA_API const char * llama_kvcomp_k_stats_source(void);
+
+// Whether a context of model would keep every layer's KV cache in host memory (offload_kqv as
+// in llama_context_params), where the kvct kernels run.
+LLAMA_API bool llama_kvcomp_kv_on_host(const struct llama_model * model, bool offload_kqv);
+
 // The values a statistics file is bound to: whole rows of the token embeddings from the middle
 // of the vocabulary (token_embd, which no backend repacks), as F32, at most n_max of them. The
 // same model quantized another way gives nearly the same values; another model's are
