@@ -106,7 +106,7 @@ def _run_kld_all(args: argparse.Namespace, argv: Sequence[str], ppl_only: bool) 
     n, i = len(contexts) * len(configs), 0
     for ctx in contexts:
         settings = perplexity.RunSettings(
-            model=models.fetch_model(args.model), corpus=corpus.corpus_file(),
+            model=models.fetch_model(args.model), corpus=corpus.corpus_file(heldout=args.heldout),
             ctx=ctx, chunks=args.chunks, threads=args.threads, n_gpu_layers=args.ngl, ctx_full=model.ctx_train,
         )
         results = []
@@ -118,8 +118,10 @@ def _run_kld_all(args: argparse.Namespace, argv: Sequence[str], ppl_only: bool) 
         table = report.ppl_table(results) if ppl_only else report.kld_table(results)
         what = "Perplexity with each KV cache" if ppl_only else "KLD vs f16 KV"
         offload = f", -ngl {args.ngl}" if args.ngl else ""
-        heading = f"{what}, {args.model}, ctx {ctx}, {args.chunks} chunks, {args.threads} threads{offload}"
-        section = args.section or f"{args.command}-{args.model}-ctx{ctx}" + _section_suffix(configs)
+        text = ", held-out text" if args.heldout else ""
+        heading = f"{what}, {args.model}, ctx {ctx}, {args.chunks} chunks, {args.threads} threads{offload}{text}"
+        section = args.section or f"{args.command}-{args.model}-ctx{ctx}" + ("-heldout" if args.heldout else "") + \
+            _section_suffix(configs)
         _write_section(args, argv, table, section, heading, f"corpus `{settings.corpus.name}`, ")
         tables.append(f"### {heading}\n\n{table}")
     print("\n\n".join(tables))
@@ -306,8 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--configs", help="comma-separated K/V types, 'k/v' for a mixed pair, or a mode "
                         "(off, low-latency, balanced, high-precision); knobs as ':w32' window, ':s4' sinks, "
                         "':n8' merge interval, ':p0.1' pin threshold, ':b2' pin budget (%%), ':t1' scale tracker, "
-                        "':m0' monitor off, with a mode ':k1' the model's K statistics (':k2' and its layer "
-                        "profile), ':l0'/':l1' the per-layer K rule same/edges "
+                        "':m0' monitor off, with a mode ':k1' the model's K statistics measured on the corpus (':k2' "
+                        "and its layer profile, ':k3' the ones the library measures itself, as `--kv-comp MODE` runs), "
+                        "':l0'/':l1' the per-layer K rule same/edges "
                         "(default: f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,kvc2,kvc8/kvc4)")
         sp.add_argument("--threads", type=_positive, default=2)
         sp.add_argument("--ngl", type=int, default=0, help="layers to offload to a GPU (-ngl; 0: CPU only)")
@@ -322,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="context sizes: short (512), medium (2048), long (8192) or numbers, comma-separated; "
                              "sizes beyond the model's training context are skipped")
         sp.add_argument("--chunks", type=_positive, default=16)
+        sp.add_argument("--heldout", action="store_true",
+                        help="measure on the held-out text (standard-library modules the corpus does not read) "
+                             "instead of the corpus")
         sp.add_argument("--section", help="with --results: the name of the section to rewrite (default: by command, "
                         "model, context and whether modes, the buffer or plain types were run)")
         if name == "kld":

@@ -40,21 +40,33 @@ def _docstrings(source: str) -> list[str]:
     return out
 
 
-def build_text() -> str:
+# Held-out text: modules the corpus does not read, for checking that what was tuned on the
+# corpus (and what the K statistics were measured on) holds on text neither has seen.
+HELDOUT_MODULES: tuple[str, ...] = (
+    "ast", "bz2", "cmd", "code", "concurrent/futures/_base", "dis", "email/headerregistry", "email/utils", "fnmatch",
+    "glob", "gzip", "hashlib", "hmac", "html/parser", "http/server", "importlib/metadata/__init__", "locale",
+    "logging/handlers", "lzma", "mimetypes", "multiprocessing/managers", "multiprocessing/pool", "numbers", "operator",
+    "pdb", "pickletools", "pkgutil", "platform", "plistlib", "runpy", "signal", "ssl", "struct", "sysconfig",
+    "traceback", "types", "xml/dom/minidom", "xml/etree/ElementTree", "zipapp", "zipimport", "zoneinfo/_zoneinfo",
+)
+
+
+def build_text(modules: tuple[str, ...] = MODULES) -> str:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     parts: list[str] = []
-    for mod in MODULES:
+    for mod in modules:
         path = stdlib / f"{mod}.py"
         if path.exists():
             parts.extend(_docstrings(path.read_text(encoding="utf-8", errors="replace")))
     return "\n\n".join(parts) + "\n"
 
 
-def corpus_file() -> Path:
-    """Writes the corpus into the cache (once per content) and returns its path."""
-    text = build_text()
+def corpus_file(heldout: bool = False) -> Path:
+    """Writes the corpus (or the held-out text) into the cache (once per content) and returns
+    its path."""
+    text = build_text(HELDOUT_MODULES if heldout else MODULES)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    out = cache_dir() / "corpus" / f"stdlib-docs-{digest}.txt"
+    out = cache_dir() / "corpus" / f"stdlib-{'heldout' if heldout else 'docs'}-{digest}.txt"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text, encoding="utf-8")

@@ -131,8 +131,8 @@ class KvConfig:
         """'kvc4' means K and V kvc4; 'kvc8/kvc4' means K kvc8, V kvc4; a mode name
         ('balanced') means its preset. Knobs follow as ':<letter><value>': w window, s sinks,
         n merge interval, p pin threshold, b pin budget (per cent), t tracker (0/1), k K
-        statistics (with a mode: its K type for them; 1 the corpus file, 3 the library's own), e.g. 'kvc4:w32:s4', 'kvc4:w32:p0.2:b2',
-        'balanced:w64' or 'balanced:k1'."""
+        statistics (with a mode: its K type for them; 1 the corpus file, 3 the library's own),
+        e.g. 'kvc4:w32:s4', 'kvc4:w32:p0.2:b2', 'balanced:w64' or 'balanced:k1'."""
         types, *knobs = spec.split(":")
         k, _, v = types.partition("/")
         base = cls(k, v or k) if k not in MODE_NAMES else cls("f16", "f16", mode=k)._base()  # type: ignore[arg-type]

@@ -40,8 +40,9 @@ if TYPE_CHECKING:
     import llama_cpp
 
 __all__ = [
-    "Config", "StateError", "configure", "get_config", "import_llama_cpp", "load_session_file", "load_state",
-    "k_stats_source", "new_llama", "open_llama", "set_k_stats", "set_mode", "snapshot", "snapshot_text", "stats", "type_id", "type_name",
+    "Config", "StateError", "configure", "get_config", "import_llama_cpp", "k_stats_source", "load_session_file",
+    "load_state", "new_llama", "open_llama", "set_k_stats", "set_mode", "snapshot", "snapshot_text", "stats", "type_id",
+    "type_name",
 ]
 
 
@@ -125,7 +126,10 @@ def set_k_stats(llm: llama_cpp.Llama, path: str | Path) -> None:
     measures itself (cached per model)."""
     c = lib()
     auto = str(path) == "auto"
-    rc = c.llama_kvcomp_set_k_stats_auto(_ctx(llm), None, None, None) if auto else c.llama_kvcomp_set_k_stats(_ctx(llm), str(path).encode())
+    if auto:
+        rc = c.llama_kvcomp_set_k_stats_auto(_ctx(llm), None, None, None)
+    else:
+        rc = c.llama_kvcomp_set_k_stats(_ctx(llm), str(path).encode())
     if rc != 0:
         name = "llama_kvcomp_set_k_stats_auto" if auto else "llama_kvcomp_set_k_stats"
         raise RuntimeError(f"{name} failed ({rc}): {last_error() or 'see the log'}")

@@ -53,7 +53,8 @@ def test_regress_refuses_a_broken_baseline(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_export_from_a_server(bins: Path, model: Path, tmp_path: Path) -> None:
-    with server(bins, model, "-c", "1024", "-np", "1", "--metrics", "--kv-comp", "balanced") as url:
+    with server(bins, model, "-c", "1024", "-np", "1", "--metrics", "--kv-comp", "balanced",
+                "--kv-comp-kstats", "none") as url:
         post(f"{url}/completion", {"prompt": "A lighthouse", "n_predict": 16, "temperature": 0})
         snap = json.loads(export.fetch(url))
         out = tmp_path / "heads.csv"

@@ -188,8 +188,11 @@ def test_modes_take_their_k_layer_rule() -> None:
         KvConfig.parse("balanced:k1:l2")
     prof = KvConfig.parse("balanced:k2")
     assert (prof.label, prof.type_k, prof.needs_kstats) == ("balanced:k2", "kvct4", True)
+    auto = KvConfig.parse("balanced:k3")
+    assert (auto.label, auto.type_k, auto.needs_kstats) == ("balanced:k3", "kvct4", False)
+    assert "--kv-comp-kstats" not in auto.tool_args()
     with pytest.raises(ValueError, match="K statistics are 0"):
-        KvConfig.parse("balanced:k3")
+        KvConfig.parse("balanced:k4")
     with pytest.raises(ValueError, match="unknown per-layer K rule"):
         capi.set_k_layers("middle")  # type: ignore[arg-type]
 

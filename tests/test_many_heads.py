@@ -44,7 +44,8 @@ def _per_head(text: str) -> dict[str, dict[tuple[int, int], float]]:
 
 
 def test_every_kv_head_is_exported(bins: Path, many_heads: Path) -> None:
-    with server(bins, many_heads, "-c", "256", "-np", "1", "--metrics", "--kv-comp", "low-latency") as url:
+    with server(bins, many_heads, "-c", "256", "-np", "1", "--metrics", "--kv-comp", "low-latency",
+                "--kv-comp-kstats", "none") as url:
         done = post(f"{url}/completion", {"prompt": "The lighthouse keeper counted the ships", "n_predict": 32,
                                           "temperature": 0, "ignore_eos": True, "cache_prompt": False})
         assert done["tokens_predicted"] == 32

@@ -3,12 +3,13 @@
 running it while the other 3 slots are busy changes it no more often than it does with
 upstream's f16 cache (whose batch shapes and kernels also change with the company).
 
-Run on a split cache (each slot its own KV stream, with its own K offset from the first 32
-positions of the sequence that starts it; docs/design-tracker-modes.md, "Isolation") and on a
-unified one (`--kv-unified`: the slots share one stream, its cells and the offset of the
-sequence that started it). Not in the default run (KVCOMP_ISOLATION=1 runs it: a few minutes
-per layout on 2 cores), as test-kvc-llama checks the same property on the C API in seconds
-(docs/results.md, "Isolation between requests")."""
+Run with the modes' default kvct K (plans from the model's K statistics, no offset) and with
+kvc K (`--kv-comp-kstats none`: the scale tracker's K offset), on a split cache (each slot its
+own KV stream, with its own K offset from the first 32 positions of the sequence that starts
+it; docs/design-tracker-modes.md, "Isolation") and on a unified one (`--kv-unified`: the slots
+share one stream and its cells, whose keys then take no offset). Not in the default run
+(KVCOMP_ISOLATION=1 runs it: a few minutes per layout on 2 cores), as test-kvc-llama checks
+the same property on the C API in seconds (docs/results.md, "Isolation between requests")."""
 
 from __future__ import annotations
 
@@ -53,10 +54,11 @@ def _changes(bins: Path, model: Path, *args: str) -> tuple[int, int]:
 
 @pytest.mark.skipif(os.environ.get("KVCOMP_ISOLATION") != "1", reason="several minutes: KVCOMP_ISOLATION=1 runs it")
 @pytest.mark.parametrize("layout", ["--no-kv-unified", "--kv-unified"])
-@pytest.mark.parametrize("mode", ["low-latency", "balanced"])
+@pytest.mark.parametrize("mode", ["low-latency", "balanced", "low-latency --kv-comp-kstats none",
+                                  "balanced --kv-comp-kstats none"])
 def test_requests_are_isolated(bins: Path, model: Path, mode: str, layout: str) -> None:
     f16_later, f16_busy = _changes(bins, model, layout, "--kv-comp", "off", "-fa", "on")
-    later, busy = _changes(bins, model, layout, "--kv-comp", mode)
+    later, busy = _changes(bins, model, layout, "--kv-comp", *mode.split())
     print(f"changed answers of {len(PROMPTS)}: f16 later {f16_later} busy {f16_busy}; {mode} later {later} busy {busy}")
     assert f16_later == 0
     assert later == 0, f"{mode}: {later} of {len(PROMPTS)} answers changed when sent alone again"

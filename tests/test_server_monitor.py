@@ -36,7 +36,7 @@ def _samples(fams: dict[str, object], name: str) -> dict[tuple[tuple[str, str], 
 def test_metrics_and_snapshot_with_two_slots(bins: Path, model: Path) -> None:
     prompts = [f"Write a short story about a lighthouse keeper named {n}:" for n in ("Ada", "Bo")]
     request = {"n_predict": 48, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
-    with server(bins, model, "-c", "2048", "-np", "2", "--metrics", "--kv-comp", "balanced",
+    with server(bins, model, "-c", "2048", "-np", "2", "--metrics", "--kv-comp", "balanced", "--kv-comp-kstats", "none",
                 "--kv-comp-ppl-window", "16", "--kv-comp-degrade-windows", "0") as url:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             done = list(pool.map(lambda p: post(f"{url}/completion", {"prompt": p, **request}), prompts))

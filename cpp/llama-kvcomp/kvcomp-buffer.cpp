@@ -1278,7 +1278,7 @@ int32_t llama_kvcomp_buffer::attach(llama_kv_cache & kv, const llama_kvcomp_para
             for (const auto & l : kv.layers) {
                 descs.push_back({ l.k, l.v, (int32_t) l.il, (int64_t) kv.hparams.n_embd_head_k(l.il), (int64_t) kv.hparams.n_embd_head_v(l.il) });
             }
-            tracker = std::make_shared<llama_kvcomp_tracker>(descs, params, kv.n_stream, n_ubatch);
+            tracker = std::make_shared<llama_kvcomp_tracker>(descs, params, kv.n_stream, n_ubatch, n_seq_max > kv.n_stream);
         }
         if (tracker) {
             tracker->set_params(params);

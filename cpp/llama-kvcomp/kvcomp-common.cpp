@@ -496,25 +496,27 @@ bool common_kvcomp_check(const common_params & params) {
                 "or kvc3\n", ggml_type_name(params.cache_type_v));
         return false;
     }
+    const bool fa_off = params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    // a mode's own message first: the fix is to drop -fa off, whichever of its types needs it
+    if (fa_off && preset && ggml_is_quantized(params.cache_type_v)) {
+        LOG_ERR("kvcomp: --kv-comp %s stores V as %s, which needs flash attention, and -fa off was given: drop -fa off "
+                "(the mode turns flash attention on), or keep it and add -ctv f16\n", llama_kvcomp_mode_name(p.mode),
+                ggml_type_name(params.cache_type_v));
+        return false;
+    }
     if (ggml_kvcomp_is_kvct(params.cache_type_k)) {
         if (kvcomp_kstats_none()) {
             kvcomp_log_needs_kstats(params.cache_type_k);
             return false;
         }
-        if (params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
+        if (fa_off) {
             LOG_ERR("kvcomp: -ctk %s needs flash attention, and -fa off was given: use -fa on\n",
                     ggml_type_name(params.cache_type_k));
             return false;
         }
     }
-    if (params.flash_attn_type != LLAMA_FLASH_ATTN_TYPE_DISABLED || !ggml_is_quantized(params.cache_type_v)) {
+    if (!fa_off || !ggml_is_quantized(params.cache_type_v)) {
         return true;
-    }
-    if (preset) {
-        LOG_ERR("kvcomp: --kv-comp %s stores V as %s, which needs flash attention, and -fa off was given: drop -fa off "
-                "(the mode turns flash attention on), or keep it and add -ctv f16\n", llama_kvcomp_mode_name(p.mode),
-                ggml_type_name(params.cache_type_v));
-        return false;
     }
     if (std::strncmp(ggml_type_name(params.cache_type_v), "kvc", 3) == 0) {
         LOG_ERR("kvcomp: -ctv %s needs flash attention, and -fa off was given: use -fa on, or -ctv f16\n",

@@ -76,8 +76,8 @@ static ggml_to_float_t dequantizer(ggml_type type) {
 }
 
 llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params,
-                                           uint32_t n_stream, uint32_t n_ubatch)
-    : params(params), n_stream(n_stream) {
+                                           uint32_t n_stream, uint32_t n_ubatch, bool shared_streams)
+    : params(params), n_stream(n_stream), shared_streams(shared_streams) {
     const size_t n = descs.size();
     // each layer's store beside its cells, the tensors every layer reads beside the first's
     const size_t n_tensors = n + 5;
@@ -492,7 +492,7 @@ void llama_kvcomp_tracker::update(const llama_kv_cells_vec & cells, const llama_
             for (auto & l : layers) {
                 std::fill(l.c.begin() + (size_t) strm * l.n_embd_k, l.c.begin() + (size_t) (strm + 1) * l.n_embd_k, 0.0f);
             }
-            if (params.tracker) {
+            if (params.tracker && !shared_streams) {
                 ss.status = CALIB_STATUS_PENDING;
             } else {
                 fix_zero(strm);

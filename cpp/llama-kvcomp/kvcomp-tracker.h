@@ -7,7 +7,8 @@
 // q·c), so the cache stores k - c and nothing reads it back. c must be the same for every
 // key a query sees, and what a sequence computes must not depend on other requests: each KV
 // stream has its own c, the mean of the K rows at the first KVCOMP_CALIB_ROWS positions of
-// the sequence that started the stream, whatever ubatches brought them. Until those rows are
+// the sequence that started the stream, whatever ubatches brought them (0 in a stream that
+// several sequences share, a unified cache's). Until those rows are
 // all there the stream stores k as it comes (c = 0) and keeps a copy of them; the ubatch that
 // completes them sets c in its graph and stores the earlier rows again as k - c
 // (docs/design-tracker-modes.md, "Isolation").
@@ -42,9 +43,12 @@ struct llama_kvcomp_tracker {
         int64_t n_embd_head_v;
     };
 
-    // n_stream: the cache's KV streams, n_ubatch: the most tokens a ubatch holds
+    // n_stream: the cache's KV streams, n_ubatch: the most tokens a ubatch holds, shared_streams:
+    // whether a stream holds several sequences (a unified cache serving more than one), whose
+    // keys then stay without an offset: one c per stream would be the first sequence's, and
+    // every other sequence's answers would depend on which one that was
     llama_kvcomp_tracker(const std::vector<layer_desc> & descs, const llama_kvcomp_params & params, uint32_t n_stream,
-                         uint32_t n_ubatch);
+                         uint32_t n_ubatch, bool shared_streams);
     ~llama_kvcomp_tracker();
 
     void set_params(const llama_kvcomp_params & p) { params = p; }
@@ -178,6 +182,7 @@ private:
 
     llama_kvcomp_params params;
     uint32_t n_stream;
+    bool     shared_streams;
     // (mutable: resolve() completes the host copy of what the last graph computed)
     mutable std::vector<layer_state> layers;
     std::vector<stream_state> streams;
