@@ -141,6 +141,13 @@ def parse_bpe(log: str, type_k: str, type_v: str) -> tuple[float, float]:
     return mean(k, type_k), mean(v, type_v)
 
 
+def without_measuring(log: str) -> str:
+    """The log without the library's own K-statistics run (a first use of a model with kvct K
+    and no file), whose context logs a KV cache of its own."""
+    return re.sub(r"kvcomp: measuring the model's K statistics.*?kvcomp: K statistics:", "kvcomp: K statistics:", log,
+                  flags=re.S)
+
+
 def kv_memory_mib(log: str) -> tuple[float, float]:
     """(main cache MiB, residual buffer MiB) of the configuration the run ended with, zeros
     without a 'kvcomp: KV memory' line.
@@ -150,6 +157,7 @@ def kv_memory_mib(log: str) -> tuple[float, float]:
     of each cache counts: the last as many lines as there are caches ('llama_kv_cache: size'
     lines; two for a sliding-window model).
     """
+    log = without_measuring(log)
     lines = re.findall(r"kvcomp: KV memory: main cache ([\d.]+) MiB .*?residual buffer ([\d.]+) MiB", log)
     n_caches = len(re.findall(r"llama_kv_cache: size =", log))
     last = lines[-n_caches:] if n_caches else lines
@@ -171,6 +179,7 @@ def parse_kv_mib_full(log: str, ctx_full: int) -> float:
     """KV MiB at a context of ctx_full tokens, from one run's log: each cache's MiB per cell
     times its cells there (a sliding-window cache holds min(ctx, n_swa + n_ubatch) cells, as
     llama_kv_cache_iswa sizes it, both padded to 256), plus the residual buffer's MiB."""
+    log = without_measuring(log)
     swa_m = re.search(r"n_swa\s*=\s*(\d+)", log)
     ubatch_m = re.search(r"n_ubatch\s*=\s*(\d+)", log)
     n_swa = int(swa_m.group(1)) if swa_m else 0

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggml_kvcomp import calibrate, llm, models
+from ggml_kvcomp import calibrate, llm, models, perplexity
 
 
 def _perplexity(bins: Path, model: Path, text: Path, cache: Path, *extra: str, threads: int = 2,
@@ -166,3 +166,17 @@ def test_python_with_kstats_none_keeps_the_plain_k_type(model: Path, tmp_path: P
     assert np.isfinite(np.array(m.eval_logits[-1])).all()
     m.close()
     assert not (tmp_path / "kstats").exists()
+
+
+def test_the_measuring_run_is_not_counted_as_a_cache() -> None:
+    # the library's own run logs a KV cache of its own between its progress line and the result
+    main = ("llama_kv_cache: size =   45.00 MiB (  2048 cells,  30 layers,  1/1 seqs)\n"
+            "kvcomp: KV memory: main cache 45.00 MiB (4.30 bpe), residual buffer 0.00 MiB\n")
+    measuring = ("kvcomp: measuring the model's K statistics on the built-in text (once per model) \n"
+                 "llama_kv_cache: size =   30.00 MiB (   512 cells,  30 layers,  1/1 seqs)\n.......... done\n"
+                 "kvcomp: K statistics: measured on the built-in text (2029 tokens, 4.9 s), cached in x\n")
+    with_buffer = "kvcomp: KV memory: main cache 45.00 MiB (4.30 bpe), residual buffer 2.50 MiB\n"
+    plain = main + "kvcomp: K statistics: read from the cache\n" + with_buffer
+    first = main + measuring + with_buffer
+    assert perplexity.parse_kv_mib_full(first, 8192) == perplexity.parse_kv_mib_full(plain, 8192) == 180.0 + 2.5
+    assert perplexity.kv_memory_mib(first) == perplexity.kv_memory_mib(plain) == (45.0, 2.5)

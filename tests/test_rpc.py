@@ -213,6 +213,9 @@ def test_rpc_server_lost_during_a_request_is_an_error(bins: Path, model: Path, t
         with pytest.raises(urllib.error.HTTPError) as again:
             post(f"{url}/completion", {**request, "n_predict": 4})
         assert again.value.code == 500
+    # the mode's kvct K cannot live on an RPC host: it kept kvc4 K rather than refuse to start
+    log = (tmp_path / "server.log").read_text()
+    assert "the K cache is on a device without kvct kernels: --kv-comp balanced stores K as kvc4" in log
     log = (tmp_path / "server.log").read_text()
     assert f"RPC server {rpc.endpoints[1]}: the connection is lost" in log
 

@@ -248,18 +248,25 @@ const char * llama_kvcomp_k_stats_source(void) {
     return llama_kvcomp_k_stats_note().c_str();
 }
 
-bool llama_kvcomp_kv_on_host(const llama_model * model, bool offload_kqv) {
-    if (!model || !offload_kqv) {
-        return true;
+const char * llama_kvcomp_kvct_unfit(const llama_model * model, bool offload_kqv) {
+    if (!model) {
+        return "no model";
     }
-    // the cache places each layer where the model placed it (llama_kv_cache, dev_layer)
-    for (int il = 0; il < (int) model->hparams.n_layer(); ++il) {
-        ggml_backend_dev_t dev = model->dev_layer(il);
+    const auto & hp = model->hparams;
+    if (hp.rope_type != LLAMA_ROPE_TYPE_NORM && hp.rope_type != LLAMA_ROPE_TYPE_NEOX) {
+        return "the model's RoPE is none or multi-section, which the kvct plans cannot follow";
+    }
+    for (int il = 0; il < (int) hp.n_layer(); ++il) {
+        if (hp.n_rot(il) != hp.n_embd_head_k(il)) {
+            return "the model's RoPE turns part of a head's channels, and the kvct plans need all of them";
+        }
+        // the cache places each layer where the model placed it (llama_kv_cache, dev_layer)
+        ggml_backend_dev_t dev = offload_kqv ? model->dev_layer(il) : nullptr;
         if (dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-            return false;
+            return "the K cache is on a device without kvct kernels";
         }
     }
-    return true;
+    return nullptr;
 }
 
 int32_t llama_kvcomp_model_signature(const llama_model * model, float * out, int32_t n_max) {

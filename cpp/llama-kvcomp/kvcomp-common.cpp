@@ -472,14 +472,16 @@ static bool kvcomp_apply_kstats(llama_context * ctx) {
 }
 
 bool common_kvcomp_check(const common_params & params, llama_context_params & cparams, const llama_model * model) {
-    // the kvct kernels run on the CPU only: a mode whose K cache lands on another device (a GPU,
-    // an RPC server) keeps its plain K type rather than fail to run
+    // a mode whose kvct K cannot run here (the cache on a GPU or an RPC server, whose kvct
+    // kernels are not there; a RoPE the plans cannot follow) keeps its plain K type rather than
+    // fail to run
     ggml_type mode_k = GGML_TYPE_COUNT;
+    const char * unfit = nullptr;
     if (kvcomp_k_from_mode() && ggml_kvcomp_is_kvct(cparams.type_k) && kvcomp_kstats_path().empty() &&
         llama_kvcomp_mode_preset(params.kvcomp.mode, nullptr, &mode_k, nullptr) == 0 &&
-        !llama_kvcomp_kv_on_host(model, cparams.offload_kqv)) {
-        LOG_INF("kvcomp: the K cache is on a device without kvct kernels: --kv-comp %s stores K as %s\n",
-                llama_kvcomp_mode_name(params.kvcomp.mode), ggml_type_name(mode_k));
+        (unfit = llama_kvcomp_kvct_unfit(model, cparams.offload_kqv)) != nullptr) {
+        LOG_INF("kvcomp: %s: --kv-comp %s stores K as %s\n", unfit, llama_kvcomp_mode_name(params.kvcomp.mode),
+                ggml_type_name(mode_k));
         cparams.type_k = mode_k;
     }
     common_params p = params;

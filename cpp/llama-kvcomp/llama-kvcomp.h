@@ -149,9 +149,10 @@ LLAMA_API int32_t llama_kvcomp_set_k_stats_auto(struct llama_context * ctx, cons
 // applied came from, in words for a log line ("" before any).
 LLAMA_API const char * llama_kvcomp_k_stats_source(void);
 
-// Whether a context of model would keep every layer's KV cache in host memory (offload_kqv as
-// in llama_context_params), where the kvct kernels run.
-LLAMA_API bool llama_kvcomp_kv_on_host(const struct llama_model * model, bool offload_kqv);
+// Why a context of model cannot store K as a kvct type, or NULL when it can: a KV cache off the
+// host (offload_kqv as in llama_context_params; the kvct kernels run on the CPU), or a RoPE the
+// kvct plans cannot follow (none, partial, multi-section).
+LLAMA_API const char * llama_kvcomp_kvct_unfit(const struct llama_model * model, bool offload_kqv);
 
 // The values a statistics file is bound to: whole rows of the token embeddings from the middle
 // of the vocabulary (token_embd, which no backend repacks), as F32, at most n_max of them. The
