@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -44,8 +45,23 @@ def _command_line(argv: Sequence[str]) -> str:
     return "kvcomp " + " ".join(shlex.quote(a) for a in argv)
 
 
+def _cpu() -> str:
+    """The CPU's name and the widest SIMD level it offers (what a native build uses)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    level = ("AVX-512 VBMI" if "avx512vbmi" in flags else "AVX-512" if "avx512f" in flags else
+             "AVX2" if "avx2" in flags else "no AVX2")
+    return f"{name}, {level}"
+
+
 def _machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    day = datetime.date.today().isoformat()
+    return f"{day}, {_cpu()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def _emit(args: argparse.Namespace, argv: Sequence[str], table: str, rows: list[dict[str, Any]],

@@ -1,6 +1,6 @@
 #pragma once
 
-// Per-layer K and V types of a KV cache (README, "Per-layer K types"): a rule
+// Per-layer K and V types of a KV cache (docs/reference.md, "KV cache types"): a rule
 // (llama_kvcomp_set_k_layers) or a measured profile (llama_kvcomp_load_layers), both
 // process-wide, read where the cache makes each layer's tensors (patch 0024).
 

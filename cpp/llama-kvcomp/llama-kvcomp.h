@@ -10,7 +10,7 @@
 extern "C" {
 #endif
 
-// The presets, in the order of the degrade ladder (README "Modes").
+// The presets, in the order of the degrade ladder (docs/reference.md, "Modes and the scale tracker").
 enum llama_kvcomp_mode {
     LLAMA_KVCOMP_MODE_OFF,            // upstream cache: no buffer, no tracker
     LLAMA_KVCOMP_MODE_LOW_LATENCY,    // kvc4 K/V, scale tracker, no residual buffer
