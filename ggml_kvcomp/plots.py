@@ -20,27 +20,68 @@ def _pyplot() -> Any:
     return plt
 
 
+Box = tuple[float, float, float, float]  # x0, y0, x1, y1 in points
+
+# where a label may sit, from its point (points, label's lower-left corner): beside it first,
+# then further out; a label placed off its first spot gets a leader line
+_OFFSETS: tuple[tuple[float, float], ...] = tuple(
+    (dx, dy) for r in (1, 2, 3, 4) for dx, dy in ((6, 3), (6, -11), (-6, 3), (-6, -11), (0, 12), (0, -22))
+    for dx, dy in [(dx * r, dy + (r - 1) * (12 if dy > 0 else -12))]
+)
+
+
+def _overlaps(a: Box, b: Box) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def place_labels(points: Sequence[tuple[float, float]], sizes: Sequence[tuple[float, float]]) -> list[Box]:
+    """Boxes (points) for labels of the given sizes beside points (points, display space): each
+    takes the first of its candidate spots that covers no earlier label and no point, nearest
+    first, so every label stays beside its own point."""
+    marker = 3.0  # half a marker's size
+    dots = [(x - marker, y - marker, x + marker, y + marker) for x, y in points]
+    placed: list[Box] = []
+    for (x, y), (w, h) in zip(points, sizes, strict=True):
+        best: Box | None = None
+        for dx, dy in _OFFSETS:
+            x0 = x + dx if dx >= 0 else x + dx - w
+            box = (x0, y + dy, x0 + w, y + dy + h)
+            if not any(_overlaps(box, b) for b in placed) and not any(_overlaps(box, d) for d in dots):
+                best = box
+                break
+        placed.append(best or (x + 6, y + 3, x + 6 + w, y + 3 + h))
+    return placed
+
+
 def frontier(rows: Sequence[dict[str, Any]], out: Path, what: str = "") -> None:
-    """Mean KLD against bits per element; upstream types are the reference points."""
+    """Mean KLD against bits per element; upstream types are the reference points. Labels sit
+    beside their points without covering each other (place_labels)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    # configurations of one size (kvc4, q4_0, iq4_nl, low-latency) get their labels stacked
-    # down from the highest KLD, so that none covers another
-    seen: dict[float, int] = {}
-    for r in sorted(rows, key=lambda r: -float(r["kld_mean"])):
-        kld = max(float(r["kld_mean"]), 1e-6)  # f16 against itself is ~0 on a log axis
+    ordered = sorted(rows, key=lambda r: -float(r["kld_mean"]))
+    xs = [float(r["bpe"]) for r in ordered]
+    ys = [max(float(r["kld_mean"]), 1e-6) for r in ordered]  # f16 against itself is ~0 on a log axis
+    for r, x, y in zip(ordered, xs, ys, strict=True):
         upstream = r["label"] in UPSTREAM_TYPES
-        ax.scatter(r["bpe"], kld, marker="s" if upstream else "o", color="tab:gray" if upstream else "tab:blue")
-        n = seen.get(round(float(r["bpe"]), 1), 0)
-        seen[round(float(r["bpe"]), 1)] = n + 1
-        ax.annotate(r["label"], (r["bpe"], kld), textcoords="offset points", xytext=(6, 4 - 10 * n), fontsize=8)
+        ax.scatter(x, y, marker="s" if upstream else "o", color="tab:gray" if upstream else "tab:blue")
+    ax.set_yscale("log")
+    ax.margins(x=0.12, y=0.15)
     ax.set_xlabel("bits per KV element at the measured context (main cache + residual buffer)")
     ax.set_ylabel("mean KLD vs f16 KV")
-    ax.set_yscale("log")
-    ax.set_title("Quality vs memory (squares: upstream types)" + (f", {what}" if what else ""))
+    ax.set_title("Quality vs memory (squares: upstream types)" + (f", {what}" if what else ""), fontsize=10)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    fig.canvas.draw()  # fixes the layout and the axes' limits, so data map to points
+    to_pt = 72.0 / fig.dpi
+    pts = [(float(px) * to_pt, float(py) * to_pt) for px, py in ax.transData.transform(list(zip(xs, ys, strict=True)))]
+    font = 8.0
+    sizes = [(0.6 * font * len(str(r["label"])), 1.2 * font) for r in ordered]
+    for r, x, y, (px, py), box in zip(ordered, xs, ys, pts, place_labels(pts, sizes), strict=True):
+        moved = not (box[0] == px + 6 and box[1] == py + 3)
+        ax.annotate(str(r["label"]), (x, y), xytext=(box[0] - px, box[1] - py), textcoords="offset points",
+                    fontsize=font, va="bottom", ha="left",
+                    arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5"} if moved else None)
+    fig.savefig(out, dpi=fig.dpi)
     plt.close(fig)
 
 
