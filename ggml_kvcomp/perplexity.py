@@ -53,6 +53,9 @@ class KldResult:
     # the KV cache's memory at the model's full context: main caches scaled to it, the
     # residual buffer as it is (its slots do not grow with the context)
     kv_mib_full: float = 0.0
+    # the residual buffer's bits per element at the model's full context (its slots spread over
+    # all the cells there)
+    bpe_buffer_full: float = 0.0
     # the mean KLD with one decode per token (teacher-forced, as generation computes every
     # token; None: not run)
     kld_mean_by_token: float | None = None
@@ -61,9 +64,15 @@ class KldResult:
     def bpe(self) -> float:
         return (self.bpe_k + self.bpe_v) / 2 + self.bpe_buffer
 
+    @property
+    def bpe_full(self) -> float:
+        """Bits per element at the model's full context, the buffer counted."""
+        return (self.bpe_k + self.bpe_v) / 2 + self.bpe_buffer_full
+
     def as_dict(self) -> dict[str, float | str]:
         d: dict[str, float | str] = asdict(self)
         d["bpe"] = self.bpe
+        d["bpe_full"] = self.bpe_full
         return d
 
 
@@ -222,6 +231,8 @@ def parse_kld(label: str, cfg: KvConfig, log: str, ctx_full: int) -> KldResult:
         raise ValueError("llama-perplexity output lacks 'Mean KLD'")
     rmse = parse_tracker_rmse(log)
     bpe_k, bpe_v = parse_bpe(log, cfg.type_k, cfg.type_v)
+    mib_full, buffer_mib = parse_kv_mib_full(log, ctx_full), kv_memory_mib(log)[1]
+    main_full = mib_full - buffer_mib
     return KldResult(
         label=label,
         type_k=cfg.type_k,
@@ -239,7 +250,8 @@ def parse_kld(label: str, cfg: KvConfig, log: str, ctx_full: int) -> KldResult:
         k_rmse=rmse[0],
         k_rmse_offset=rmse[1],
         k_rmse_plain=rmse[2],
-        kv_mib_full=parse_kv_mib_full(log, ctx_full),
+        kv_mib_full=mib_full,
+        bpe_buffer_full=buffer_mib / main_full * (bpe_k + bpe_v) / 2 if main_full > 0 else 0.0,
     )
 
 

@@ -12,15 +12,15 @@ from .perplexity import KldResult
 def kld_table(results: Sequence[KldResult]) -> str:
     by_token = any(r.kld_mean_by_token is not None for r in results)
     rows = [
-        "| K/V | bpe K | bpe V | bpe buffer | bpe total | PPL | PPL ratio | mean KLD | KLD p99 | same top p "
-        "| K RMSE: stored / offset only / plain | KV MiB, full ctx |"
+        "| K/V | bpe K | bpe V | bpe buffer | bpe total | bpe, full ctx | PPL | PPL ratio | mean KLD | KLD p99 "
+        "| same top p | K RMSE: stored / offset only / plain | KV MiB, full ctx |"
         + (" mean KLD, one decode per token |" if by_token else ""),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if by_token else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if by_token else ""),
     ]
     for r in results:
         tf = "" if not by_token else " - |" if r.kld_mean_by_token is None else f" {r.kld_mean_by_token:.6f} |"
         rows.append(
-            f"| {r.label} | {r.bpe_k:.2f} | {r.bpe_v:.2f} | {r.bpe_buffer:.2f} | {r.bpe:.2f} "
+            f"| {r.label} | {r.bpe_k:.2f} | {r.bpe_v:.2f} | {r.bpe_buffer:.2f} | {r.bpe:.2f} | {r.bpe_full:.2f} "
             f"| {r.ppl:.4f} | {r.ppl_ratio:.5f} "
             f"| {r.kld_mean:.6f} ± {r.kld_mean_err:.6f} | {r.kld_p99:.5f} | {r.same_top_p:.2f}% "
             + (f"| {r.k_rmse:.4f} / {r.k_rmse_offset:.4f} / {r.k_rmse_plain:.4f} " if r.k_rmse_plain > 0 else "| - ")

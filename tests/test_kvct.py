@@ -211,6 +211,9 @@ def test_balanced_with_statistics_codes_the_edge_layers_with_fewer_bits(bins: Pa
     # without the buffer (when its statistics arrive) and once with it
     plain = run_kld(KvConfig.parse("balanced"), s)
     assert edges.bpe_buffer == pytest.approx(plain.bpe_buffer, rel=0.02) and plain.bpe_buffer > 0
+    # at the model's full context (8192) the same slots spread over 32x the cells of ctx 256
+    assert plain.bpe_buffer_full == pytest.approx(plain.bpe_buffer / 32, rel=0.05)
+    assert same.bpe_full == pytest.approx(same.bpe_k / 2 + same.bpe_v / 2 + same.bpe_buffer / 32, rel=0.01)
     kstats = str(calibrate.ensure_kstats(model))
     proc = _perplexity(bins, model, text, "--kv-comp", "balanced", "--kv-comp-kstats", kstats,
                        "--kv-comp-k-layers", "middle")
