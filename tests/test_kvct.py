@@ -200,7 +200,7 @@ def test_modes_take_their_k_layer_rule() -> None:
 def test_balanced_with_statistics_codes_the_edge_layers_with_fewer_bits(bins: Path, model: Path, text: Path) -> None:
     # the tools take the mode's rule with the statistics (the log names each layer's type),
     # and an explicit rule overrides it; the KLD bound is loose (measured +0-5%, docs/kv-rows.md)
-    s = RunSettings(model=model, corpus=text, ctx=256, chunks=2)
+    s = RunSettings(model=model, corpus=text, ctx=256, chunks=2, ctx_full=8192)
     edges = run_kld(KvConfig.parse("balanced:k1"), s)
     same = run_kld(KvConfig.parse("balanced:k1:l0"), s)
     n_layer = 30
