@@ -173,11 +173,15 @@ def kv_memory_mib(log: str) -> tuple[float, float]:
     return sum(float(m) for m, _ in last), sum(float(b) for _, b in last)
 
 
+def buffer_bpe(main_mib: float, buffer_mib: float, main_bpe: float) -> float:
+    """Bits per cached element that the residual buffer adds to a main cache of main_mib:
+    buffer MiB over main MiB, times the main cache's bits per element."""
+    return buffer_mib / main_mib * main_bpe if main_mib > 0 else 0.0
+
+
 def parse_buffer_bpe(log: str, main_bpe: float) -> float:
-    """Bits per cached element that the residual buffer adds: buffer MiB over main MiB, times
-    the main cache's bits per element."""
-    main, buf = kv_memory_mib(log)
-    return buf / main * main_bpe if main > 0 else 0.0
+    """The buffer's bits per element at the measured context."""
+    return buffer_bpe(*kv_memory_mib(log), main_bpe)
 
 
 def _pad(n: int, to: int = 256) -> int:
@@ -232,7 +236,6 @@ def parse_kld(label: str, cfg: KvConfig, log: str, ctx_full: int) -> KldResult:
     rmse = parse_tracker_rmse(log)
     bpe_k, bpe_v = parse_bpe(log, cfg.type_k, cfg.type_v)
     mib_full, buffer_mib = parse_kv_mib_full(log, ctx_full), kv_memory_mib(log)[1]
-    main_full = mib_full - buffer_mib
     return KldResult(
         label=label,
         type_k=cfg.type_k,
@@ -251,7 +254,7 @@ def parse_kld(label: str, cfg: KvConfig, log: str, ctx_full: int) -> KldResult:
         k_rmse_offset=rmse[1],
         k_rmse_plain=rmse[2],
         kv_mib_full=mib_full,
-        bpe_buffer_full=buffer_mib / main_full * (bpe_k + bpe_v) / 2 if main_full > 0 else 0.0,
+        bpe_buffer_full=buffer_bpe(mib_full - buffer_mib, buffer_mib, (bpe_k + bpe_v) / 2),
     )
 
 

@@ -471,6 +471,8 @@ static bool kvcomp_apply_kstats(llama_context * ctx) {
     return true;
 }
 
+static bool kvcomp_check(const common_params & params, ggml_type type_k);
+
 bool common_kvcomp_check(const common_params & params, llama_context_params & cparams, const llama_model * model) {
     // a mode whose kvct K cannot run here (the cache on a GPU or an RPC server, whose kvct
     // kernels are not there; a RoPE the plans cannot follow) keeps its plain K type rather than
@@ -484,13 +486,16 @@ bool common_kvcomp_check(const common_params & params, llama_context_params & cp
                 ggml_type_name(mode_k));
         cparams.type_k = mode_k;
     }
-    common_params p = params;
-    p.cache_type_k = cparams.type_k;
-    return common_kvcomp_check(p);
+    return kvcomp_check(params, cparams.type_k);
 }
 
 bool common_kvcomp_check(const common_params & params) {
-    kvcomp_apply_k_layers(params, params.cache_type_k);
+    return kvcomp_check(params, params.cache_type_k);
+}
+
+// The checks on params with K stored as type_k (which the context params may have changed).
+static bool kvcomp_check(const common_params & params, ggml_type type_k) {
+    kvcomp_apply_k_layers(params, type_k);
     const llama_kvcomp_params & p = params.kvcomp;
     const bool preset = p.mode != LLAMA_KVCOMP_MODE_OFF && p.mode != LLAMA_KVCOMP_MODE_CUSTOM;
     if (ggml_kvcomp_is_kvct(params.cache_type_v)) {
@@ -506,14 +511,14 @@ bool common_kvcomp_check(const common_params & params) {
                 ggml_type_name(params.cache_type_v));
         return false;
     }
-    if (ggml_kvcomp_is_kvct(params.cache_type_k)) {
+    if (ggml_kvcomp_is_kvct(type_k)) {
         if (kvcomp_kstats_none()) {
-            kvcomp_log_needs_kstats(params.cache_type_k);
+            kvcomp_log_needs_kstats(type_k);
             return false;
         }
         if (fa_off) {
             LOG_ERR("kvcomp: -ctk %s needs flash attention, and -fa off was given: use -fa on\n",
-                    ggml_type_name(params.cache_type_k));
+                    ggml_type_name(type_k));
             return false;
         }
     }
