@@ -53,9 +53,10 @@ struct ggml_compute_params;
 // params->use_ref selects the scalar reference of both. Returns false, having done nothing,
 // for a node that reads neither (upstream's kernels run it).
 GGML_BACKEND_API bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, struct ggml_tensor * dst);
-// Bytes such a node needs in the plan's buffer beyond upstream's FLASH_ATTN_EXT scratch: a
-// prompt's K tiles, converted once for all of its blocks of query tokens (0 for any other node).
-GGML_BACKEND_API size_t ggml_kvc_cpu_flash_attn_ext_work_size(const struct ggml_tensor * dst);
+// Bytes such a node needs in the plan's buffer beyond upstream's FLASH_ATTN_EXT scratch, run
+// on n_threads threads: the main cells' scores of every row, and a prompt's K and V tiles,
+// converted once for all of its blocks of query tokens (0 for a node upstream runs).
+GGML_BACKEND_API size_t ggml_kvc_cpu_flash_attn_ext_work_size(const struct ggml_tensor * dst, int n_threads);
 
 // MUL_MAT hinted GGML_HINT_SRC0_IS_HADAMARD (upstream's rotation of Q, K and V around a
 // quantized cache), kvc-fwht.c: the rows with AVX-512 where the build has it, upstream's floats

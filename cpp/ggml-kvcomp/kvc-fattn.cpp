@@ -1,8 +1,8 @@
 // CPU flash attention over kvc caches and over several sources: the main cells (any cache
 // type) and the residual buffer's exact F16 rows (ggml_flash_attn_ext_add_exact: its slots,
-// then the ubatch's own rows), under one online softmax and one mask. The main cells are
-// dequantized in 64-key tiles, once per node when several blocks of query tokens read them
-// (into the plan's buffer, at most KVC_FA_SHARED_MAX bytes), else into per-thread scratch.
+// then the ubatch's own rows), under one softmax and one mask. The main cells are dequantized
+// in 64-key tiles, once per node when several blocks of query tokens read them (into the
+// plan's buffer, at most KVC_FA_SHARED_MAX bytes), else into per-thread scratch.
 //
 // One kernel serves decode steps and prompts ("One arithmetic per query" below), with a scalar
 // reference (params->use_ref) that the SIMD path is held to (cpp/tests/test-kvc-ops.cpp). Its
@@ -10,7 +10,7 @@
 // cells dequantized to F32 and multiplied as upstream's tiled F16 kernel does; a prompt makes
 // the tiles once for all its blocks (shared_tiles). A kvct K cache (ggml_kvct_set_plans) is
 // read through its KV head's plan (kvc-kvct-cpu.h), each row decoded to F32 and turned to its
-// key's position by a walk that starts exact at the tile's first cell.
+// key's position by angles that depend on the position alone (kvc_t_rope_walk).
 
 #include "kvc-cpu.h"
 #include "kvc-kvct-cpu.h"
@@ -37,15 +37,6 @@ constexpr int64_t KVC_FA_PAD     = 16;              // floats between two thread
 constexpr int64_t KVC_MAX_ROW    = 1024;            // prompt K row bound (a stack row before the transpose)
 constexpr int     KVC_FA_N_SRC   = 3;               // key sources of a node, one after the other
 constexpr size_t  KVC_FA_SHARED_MAX = (size_t) 256 << 20; // bytes of a prompt's shared tiles (shared_floats)
-
-// one cache line into L1 (a no-op where the target has no prefetch instruction)
-inline void kvc_prefetch(const void * p) {
-#if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 0, 3);
-#else
-    (void) p;
-#endif
-}
 
 typedef void (*row_to_f32_t)(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n);
 
@@ -83,19 +74,6 @@ row_to_f32_t get_row_to_f32(ggml_type t, bool ref, bool as_f16 = false) {
     return t == GGML_TYPE_F16 ? row_f16_simd : ggml_kvc_cpu_get_to_float(t);
 }
 
-float dot_f32(const float * a, const float * b, int64_t n, bool ref) {
-    if (ref) {
-        float s = 0.0f;
-        for (int64_t i = 0; i < n; ++i) {
-            s += a[i] * b[i];
-        }
-        return s;
-    }
-    float s;
-    ggml_vec_dot_f32((int) n, &s, 0, a, 0, b, 0, 1);
-    return s;
-}
-
 void scale_f32(float * y, float s, int64_t n, bool ref) {
     if (ref) {
         for (int64_t i = 0; i < n; ++i) {
@@ -106,27 +84,16 @@ void scale_f32(float * y, float s, int64_t n, bool ref) {
     ggml_vec_scale_f32((int) n, y, s);
 }
 
-// x[j] = exp(x[j] - m) in place (exp(-inf) = 0); each value alike at any index of a tile of
-// n = KVC_FA_TILE_KV (whole SIMD vectors).
-void exp_tile(float * x, int n, float m, bool ref) {
+// y[j] = exp(x[j] - m) (exp(-inf) = 0; y may be x); each value alike at any index of a tile
+// of n = KVC_FA_TILE_KV (whole SIMD vectors).
+void exp_tile(float * y, const float * x, int n, float m, bool ref) {
     if (ref) {
         for (int j = 0; j < n; ++j) {
-            x[j] = x[j] == -INFINITY ? 0.0f : expf(x[j] - m);
+            y[j] = x[j] == -INFINITY ? 0.0f : expf(x[j] - m);
         }
     } else {
-        ggml_vec_soft_max_f32(n, x, x, m);
+        ggml_vec_soft_max_f32(n, y, x, m);
     }
-}
-
-// exp_tile, returning the values' sum added in index order: a masked key adds an exact zero,
-// so where in a tile the visible keys sit does not change the sum.
-float softmax_tile(float * x, int n, float m, bool ref) {
-    exp_tile(x, n, m, ref);
-    float sum = 0.0f;
-    for (int j = 0; j < n; ++j) {
-        sum += x[j];
-    }
-    return sum;
 }
 
 // C[M x N] += A[M x K] * B[K x N]
@@ -135,13 +102,14 @@ void gemm_f32(float * C, const float * A, const float * B, int M, int K, int N, 
         simd_gemm(C, A, B, M, K, N);
         return;
     }
+    // one chain per output value, continued from C as simd_gemm continues it
     for (int i = 0; i < M; ++i) {
         for (int j = 0; j < N; ++j) {
-            float s = 0.0f;
+            float s = C[i * N + j];
             for (int k = 0; k < K; ++k) {
                 s += A[i * K + k] * B[k * N + j];
             }
-            C[i * N + j] += s;
+            C[i * N + j] = s;
         }
     }
 }
@@ -281,27 +249,6 @@ void add_sink(float s, float & M, float & S, float * acc, int64_t DV, bool ref) 
     }
 }
 
-// One online-softmax step of a query row over a tile of n scores x: the running maximum M
-// moves up to the tile's (acc and S rescaled), x becomes the probabilities and S takes their
-// sum. A tile with nothing visible becomes zeros and changes nothing.
-void fold_tile(float * x, int n, float & M, float & S, float * acc, int64_t DV, bool ref) {
-    float m = -INFINITY;
-    for (int j = 0; j < n; ++j) {
-        m = std::max(m, x[j]);
-    }
-    if (m == -INFINITY) {
-        memset(x, 0, n * sizeof(float));
-        return;
-    }
-    if (m > M) {
-        const float ms = expf(M - m);
-        scale_f32(acc, ms, DV, ref);
-        S *= ms;
-        M = m;
-    }
-    S += softmax_tile(x, n, M, ref);
-}
-
 // out = acc / S (zeros when nothing was visible)
 void write_row(float * out, const float * acc, float S, int64_t DV) {
     const float inv = S == 0.0f ? 0.0f : 1.0f / S;
@@ -334,25 +281,31 @@ struct fa_units {
 // ---------------------------------------------------------------------------------------
 // One arithmetic per query
 //
-// A decode step (one query token per stream) and a prompt (blocks of query tokens) run the
-// same code on their rows, so a token's output does not depend on the ubatch it came in, nor
-// on whether it is decoded again after a cut-back:
-//  - the main cells are cut into segments of KVC_FA_SEG cells at fixed cell indices; a
-//    segment's 64-cell tiles are converted to F32 and met by the rows with simd_gemm, where
-//    every score and every output value is one chain of fused multiply-adds in a fixed order
-//    whatever the number of rows; each segment gives a (max, sum, output) of its own;
+// A row's output depends on the keys it sees, taken in the order of their cells, and on
+// nothing else: not on the ubatch its token came in, not on whether the token is decoded again
+// after a cut-back, not on which cells other sequences of a unified cache hold between its own.
+//  - the main cells take two passes over 64-cell tiles. The first scores every key (simd_gemm:
+//    one chain of fused multiply-adds per score whatever the tile) and takes each row's exact
+//    maximum. The second turns the scores into exp(score - maximum), adds them to the row's
+//    sum one after the other in cell order, and adds each key's value to the row's outputs in
+//    that order (simd_gemm continues one chain per output value from tile to tile). A key the
+//    row does not see adds exact zeros, so where the tiles start among its cells, and what
+//    the cells between its own hold, change nothing; nor does a tile or a segment rescale.
 //  - the exact keys (the slots and the ubatch's own rows) are taken in the node's order (the
 //    cells they hold, ggml_flash_attn_ext_set_exact_order) against each row's maximum over
 //    them, each key's terms added to the row's sums in that order: a key read from a slot in
 //    a decode step is read from the ubatch's rows in a prompt, and neither where it lies nor
 //    which other keys are masked changes its turn;
-//  - the parts are combined in order: the segments, the exact keys, then the sinks.
-// A decode step spreads the parts of its rows over the threads and combines them after one
-// barrier; a prompt's work item does them one after the other.
+//  - the two parts are combined in order, then the sinks.
+// A decode step spreads the first pass over (unit, segment of cells) and the second over
+// (unit, slice of the output values); a prompt's work item runs both for its block of rows.
 
-constexpr int64_t KVC_FA_SEG   = 256; // main cells per part (a multiple of KVC_FA_TILE_KV)
+constexpr int64_t KVC_FA_SEG = 256; // main cells a decode step scores per work item
 
 static_assert(KVC_FA_SEG % KVC_FA_TILE_KV == 0, "a segment is whole tiles");
+
+// floats of a prompt work item's scores, at most (fewer rows per item past them)
+constexpr int64_t KVC_FA_SCORES_MAX = (int64_t) 1 << 21;
 
 // Folds a part's (pM, pS, pacc) into a running (M, S, acc); a part that saw nothing is left out.
 void combine(float & M, float & S, float * acc, float pM, float pS, const float * pacc, int64_t DV) {
@@ -374,9 +327,15 @@ size_t prompt_scratch_floats(int64_t DK, int64_t DV) {
            KVC_FA_TILE_KV * DK + KVC_FA_PAD;
 }
 
-// query tokens of a prompt's work item: as many as fill a tile's rows with the units' query heads
-int64_t prompt_block(const fa_units & units) {
-    return std::max<int64_t>(1, KVC_FA_TILE_Q / units.gh);
+int64_t n_tiles_of(int64_t n) {
+    return (n + KVC_FA_TILE_KV - 1) / KVC_FA_TILE_KV;
+}
+
+// query tokens of a prompt's work item over n_main main cells: as many as fill a tile's rows
+// with the units' query heads, fewer where their scores would pass KVC_FA_SCORES_MAX
+int64_t prompt_block(const fa_units & units, int64_t n_main) {
+    const int64_t per_token = units.gh * std::max<int64_t>(1, n_tiles_of(n_main)) * KVC_FA_TILE_KV;
+    return std::max<int64_t>(1, std::min(KVC_FA_TILE_Q / units.gh, KVC_FA_SCORES_MAX / per_token));
 }
 
 // Keys [j0, j0 + nk) of KV head hk in stream s as one tile of F32 columns, K32[DK][TK] (the
@@ -414,7 +373,7 @@ struct shared_tiles {
         n_head_kv = n_head_kv_;
         DK = DK_;
         DV = DV_;
-        n_tiles = (ks.n + KVC_FA_TILE_KV - 1) / KVC_FA_TILE_KV;
+        n_tiles = n_tiles_of(ks.n);
         n_sk = ks.n ? n_stream / ks.r3 : 0;
         n_sv = ks.n ? n_stream / vs.r3 : 0;
         const size_t nk = (size_t) (n_sk * n_head_kv * n_tiles * KVC_FA_TILE_KV * DK);
@@ -435,7 +394,7 @@ struct shared_tiles {
 // to share) and past KVC_FA_SHARED_MAX bytes (a long context keeps the per-block conversion).
 size_t shared_floats(const fa_src & ks, const fa_src & vs, int64_t n_stream, int64_t n_head_kv, int64_t DK, int64_t DV,
                      int64_t n_q, int64_t G) {
-    if (n_q <= prompt_block(fa_units(G, 1, n_head_kv, KVC_FA_TILE_Q))) {
+    if (n_q <= prompt_block(fa_units(G, 1, n_head_kv, KVC_FA_TILE_Q), ks.n)) {
         return 0;
     }
     const size_t n = shared_tiles().layout(ks, vs, n_stream, n_head_kv, DK, DV, nullptr);
@@ -516,51 +475,96 @@ void score_row(const fa_node & a, float * kq, const float * mk) {
     }
 }
 
-// The main cells [c0, c1) (one segment) for the rows: their part in rows.M, S and VKQ.
-void main_part(const fa_node & a, fa_rows & rows, int64_t c0, int64_t c1, const shared_tiles & sh) {
+// The rows' scores of the main cells' tiles [t0, t1): tile t at sc + t * ld * TK, row r at
+// + r * TK (-inf where the row does not see the key); each row's maximum folded into M.
+void main_scores(const fa_node & a, fa_rows & rows, int64_t t0, int64_t t1, const shared_tiles & sh, float * sc, int64_t ld,
+                 float * M) {
     const bool     ref = a.ref;
     const fa_src & K = a.k[0];
-    const fa_src & V = a.v[0];
-    const int64_t  DK = a.DK, DV = a.DV, TK = KVC_FA_TILE_KV;
+    const int64_t  DK = a.DK, TK = KVC_FA_TILE_KV;
     const int      R = rows.n();
     const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, ref);
-    const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, ref);
 
-    rows.reset(DV);
+    kvc_t_rope_walk walk;
+    K.walk_init(walk, rows.hk);
     int64_t cols[KVC_FA_TILE_KV];
-
-    for (int64_t j0 = c0; j0 < c1; j0 += TK) {
-        const int nk = (int) std::min(TK, c1 - j0);
+    for (int64_t t = t0; t < t1; ++t) {
+        const int64_t j0 = t * TK;
+        const int     nk = (int) std::min(TK, K.n - j0);
+        float * st = sc + t * ld * TK;
         std::iota(cols, cols + nk, j0);
         if (!rows.mask_tile(a, cols, nk)) {
+            std::fill(st, st + R * TK, -INFINITY);
             continue;
         }
-
-        // a K tile walks its RoPE angles from an exact start at its first cell, as a shared one does
         const float * Kt = rows.K32;
         if (sh.k) {
             Kt = sh.k_tile(rows.s / K.r3, rows.hk, j0);
         } else {
-            kvc_t_rope_walk walk;
-            K.walk_init(walk, rows.hk);
             k_tile_f32(K, k_to_f32, j0, nk, rows.hk, rows.s, DK, &walk, rows.K32);
         }
-        memset(rows.KQ, 0, (size_t) R * TK * sizeof(float));
-        gemm_f32(rows.KQ, rows.Qt, Kt, R, (int) DK, (int) TK, ref);
-
+        memset(st, 0, (size_t) R * TK * sizeof(float));
+        gemm_f32(st, rows.Qt, Kt, R, (int) DK, (int) TK, ref);
         for (int r = 0; r < R; ++r) {
-            float * kq = rows.KQ + r * TK;
+            float * kq = st + r * TK;
             score_row(a, kq, rows.MK + r * TK);
-            fold_tile(kq, (int) TK, rows.M[r], rows.S[r], rows.VKQ + r * DV, DV, ref);
+            for (int c = 0; c < TK; ++c) {
+                M[r] = std::max(M[r], kq[c]);
+            }
         }
+    }
+}
 
+// The rows' output values [d0, d0 + W) over the main cells, from their scores sc (laid out as
+// main_scores lays them) and maxima M: acc[r][W] gets each key's value times exp(score - M),
+// one chain per value in cell order, and S (unless null) each row's sum of those in the same
+// order. A tile no row sees is left out: it would add exact zeros.
+void main_values(const fa_node & a, fa_rows & rows, const float * sc, int64_t ld, const float * M, int64_t d0, int64_t W,
+                 float * acc, float * S, const shared_tiles & sh) {
+    const fa_src & V = a.v[0];
+    const int64_t  TK = KVC_FA_TILE_KV, n_t = n_tiles_of(V.n);
+    const int      R = rows.n();
+    const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, a.ref);
+    const size_t   off = ggml_row_size(V.type, d0);
+    float * p = rows.KQ;
+    for (int64_t t = 0; t < n_t; ++t) {
+        bool any = false;
+        for (int r = 0; r < R; ++r) {
+            const float * st = sc + (t * ld + r) * TK;
+            float *       pr = p + r * TK;
+            if (M[r] == -INFINITY) {
+                memset(pr, 0, TK * sizeof(float));
+                continue;
+            }
+            exp_tile(pr, st, (int) TK, M[r], a.ref);
+            for (int c = 0; c < TK && !any; ++c) {
+                any = pr[c] != 0.0f;
+            }
+        }
+        if (!any) {
+            continue;
+        }
+        if (S) {
+            for (int r = 0; r < R; ++r) {
+                for (int c = 0; c < TK; ++c) {
+                    S[r] += p[r * TK + c];
+                }
+            }
+        }
+        const int64_t j0 = t * TK;
         const float * Vt = rows.V32;
-        if (sh.v) {
+        if (sh.v && W == a.DV) {
             Vt = sh.v_tile(rows.s / V.r3, rows.hk, j0);
         } else {
-            v_tile_f32(V, v_to_f32, j0, nk, rows.hk, rows.s, DV, rows.V32);
+            const int nk = (int) std::min(TK, V.n - j0);
+            for (int c = 0; c < nk; ++c) {
+                v_to_f32(V.row(j0 + c, rows.hk, rows.s) + off, rows.V32 + c * W, W);
+            }
+            if (nk < TK) {
+                memset(rows.V32 + nk * W, 0, (size_t) (TK - nk) * W * sizeof(float));
+            }
         }
-        gemm_f32(rows.VKQ, rows.KQ, Vt, R, (int) TK, (int) DV, ref);
+        gemm_f32(acc, p, Vt, R, (int) TK, (int) W, a.ref);
     }
 }
 
@@ -638,7 +642,7 @@ void exact_part(const fa_node & a, fa_rows & rows) {
                 memset(kq, 0, TK * sizeof(float));
                 continue;
             }
-            exp_tile(kq, (int) TK, rows.M[r], ref);
+            exp_tile(kq, kq, (int) TK, rows.M[r], ref);
             for (int c = 0; c < TK; ++c) {
                 rows.S[r] += kq[c];
             }
@@ -662,23 +666,6 @@ void exact_part(const fa_node & a, fa_rows & rows) {
     }
 }
 
-// parts of a node's keys: the main cells' segments, then the exact keys
-int64_t n_segments(const fa_src * ks) {
-    return (ks[0].n + KVC_FA_SEG - 1) / KVC_FA_SEG;
-}
-int64_t n_parts(const fa_src * ks) {
-    return n_segments(ks) + (ks[1].n + ks[2].n > 0 ? 1 : 0);
-}
-
-// part p of the rows' keys into rows.M, S and VKQ
-void run_part(const fa_node & a, fa_rows & rows, int64_t p, const shared_tiles & sh) {
-    if (p < n_segments(a.k)) {
-        main_part(a, rows, p * KVC_FA_SEG, std::min(a.k[0].n, (p + 1) * KVC_FA_SEG), sh);
-    } else {
-        exact_part(a, rows);
-    }
-}
-
 // The end of a row: the sinks, then out = acc / S (zeros when nothing was visible).
 void finish_row(const fa_node & a, int64_t h, float & M, float & S, float * acc) {
     if (a.sinks) {
@@ -687,51 +674,130 @@ void finish_row(const fa_node & a, int64_t h, float & M, float & S, float * acc)
     write_row(acc, acc, S, a.DV);
 }
 
-// One query token per stream: the (unit, part) items go round the threads, each writes its
-// rows' partials, and after a barrier each output row combines its partials in order.
+// Where a decode step keeps its work between the barriers, after the threads' scratch: each
+// unit's scores [tile][gh][TK], each unit's maxima per segment [segment][gh], and each output
+// row's two parts (main cells, exact keys) as (M, S, acc[DV]).
+struct decode_plan {
+    int64_t n_t, n_seg, tps, gh, n_units, n_slice, W, part_size;
+    size_t  n_sc, n_max, n_parts;
+
+    decode_plan(const fa_src * ks, const fa_src * vs, int64_t n_stream, int64_t n_head, int64_t n_head_kv, int64_t DV, int nth) {
+        const fa_units units(n_head / n_head_kv, n_stream, n_head_kv, KVC_FA_TILE_Q);
+        n_t     = n_tiles_of(ks[0].n);
+        tps     = KVC_FA_SEG / KVC_FA_TILE_KV;
+        n_seg   = (n_t + tps - 1) / tps;
+        gh      = units.gh;
+        n_units = units.n;
+        part_size = 2 + DV;
+        // slices of whole blocks of V, enough for two items a thread; each slice's chains are
+        // the same whatever the slicing, so the thread count changes no value
+        const int64_t blck = vs[0].n ? ggml_blck_size(vs[0].type) : 1;
+        const int64_t w0   = std::max<int64_t>(32, blck);
+        const int64_t n_max_slice = w0 % blck == 0 && DV % w0 == 0 ? DV / w0 : 1;
+        const int64_t want = std::max<int64_t>(1, (2 * nth + n_units - 1) / n_units);
+        n_slice = 1;
+        for (int64_t k = 1; k <= n_max_slice; ++k) {
+            if (n_max_slice % k == 0 && k <= want) {
+                n_slice = k;
+            }
+        }
+        W       = DV / n_slice;
+        n_sc    = (size_t) (n_units * n_t * gh * KVC_FA_TILE_KV);
+        n_max   = (size_t) (n_units * n_seg * gh);
+        n_parts = (size_t) (n_stream * n_head * 2 * part_size);
+    }
+
+    size_t floats() const { return n_sc + n_max + n_parts; }
+};
+
+// One query token per stream: (1) the (unit, segment) items score their cells and take their
+// maxima, and an item per unit takes the exact keys' part; (2) the (unit, slice) items add the
+// main cells' values of their slice; (3) each output row combines its parts.
 void fa_decode(const ggml_compute_params * params, const fa_node & a) {
     const int ith = params->ith;
     const int nth = params->nth;
 
     const size_t per_thread = prompt_scratch_floats(a.DK, a.DV);
-    const fa_units units(a, KVC_FA_TILE_Q);
-    const int64_t  n_p       = n_parts(a.k);
-    const int64_t  part_size = 2 + a.DV;
-    GGML_ASSERT(params->wsize >= (per_thread * nth + (size_t) (a.n_stream * a.n_head * n_p * part_size)) * sizeof(float) &&
-                "kvcomp: flash attention scratch too small");
+    const fa_units    units(a, KVC_FA_TILE_Q);
+    const decode_plan pl(a.k, a.v, a.n_stream, a.n_head, a.n_head_kv, a.DV, nth);
+    GGML_ASSERT(params->wsize >= (per_thread * nth + pl.floats()) * sizeof(float) && "kvcomp: flash attention scratch too small");
     float * scratch = (float *) params->wdata + per_thread * ith;
-    float * parts   = (float *) params->wdata + per_thread * nth;
+    float * sc      = (float *) params->wdata + per_thread * nth;
+    float * seg_max = sc + pl.n_sc;
+    float * parts   = seg_max + pl.n_max;
     const shared_tiles none;
+    const bool has_exact = a.k[1].n + a.k[2].n > 0;
 
-    for (int64_t i = ith; i < units.n * n_p; i += nth) {
-        fa_rows rows(a, units.at(a, i % units.n), 0, 1, scratch);
-        const int64_t p = i / units.n;
-        run_part(a, rows, p, none);
-        for (int r = 0; r < rows.n(); ++r) {
-            float * d = parts + ((rows.s * a.n_head + rows.head(r)) * n_p + p) * part_size;
-            d[0] = rows.M[r];
-            d[1] = rows.S[r];
-            memcpy(d + 2, rows.VKQ + r * a.DV, a.DV * sizeof(float));
+    const auto part = [&](const fa_rows & rows, int r, int64_t which) {
+        return parts + ((rows.s * a.n_head + rows.head(r)) * 2 + which) * pl.part_size;
+    };
+    const auto row_max = [&](int64_t u, float * M) {
+        for (int64_t r = 0; r < pl.gh; ++r) {
+            M[r] = -INFINITY;
+            for (int64_t g = 0; g < pl.n_seg; ++g) {
+                M[r] = std::max(M[r], seg_max[(u * pl.n_seg + g) * pl.gh + r]);
+            }
+        }
+    };
+
+    for (int64_t i = ith; i < units.n * (pl.n_seg + (has_exact ? 1 : 0)); i += nth) {
+        const int64_t u = i % units.n, g = i / units.n;
+        fa_rows rows(a, units.at(a, u), 0, 1, scratch);
+        if (g < pl.n_seg) {
+            float * M = seg_max + (u * pl.n_seg + g) * pl.gh;
+            std::fill(M, M + pl.gh, -INFINITY);
+            main_scores(a, rows, g * pl.tps, std::min(pl.n_t, (g + 1) * pl.tps), none, sc + u * pl.n_t * pl.gh * KVC_FA_TILE_KV,
+                        pl.gh, M);
+        } else {
+            exact_part(a, rows);
+            for (int r = 0; r < rows.n(); ++r) {
+                float * d = part(rows, r, 1);
+                d[0] = rows.M[r];
+                d[1] = rows.S[r];
+                memcpy(d + 2, rows.VKQ + r * a.DV, a.DV * sizeof(float));
+            }
         }
     }
+    ggml_barrier(params->threadpool);
 
+    for (int64_t i = ith; i < units.n * pl.n_slice; i += nth) {
+        const int64_t u = i % units.n, l = i / units.n;
+        fa_rows rows(a, units.at(a, u), 0, 1, scratch);
+        const int R = rows.n();
+        float M[KVC_FA_TILE_Q];
+        row_max(u, M);
+        rows.reset(pl.W);
+        main_values(a, rows, sc + u * pl.n_t * pl.gh * KVC_FA_TILE_KV, pl.gh, M, l * pl.W, pl.W, rows.VKQ,
+                    l == 0 ? rows.S : nullptr, none);
+        for (int r = 0; r < R; ++r) {
+            float * d = part(rows, r, 0);
+            if (l == 0) {
+                d[0] = M[r];
+                d[1] = rows.S[r];
+            }
+            memcpy(d + 2 + l * pl.W, rows.VKQ + r * pl.W, pl.W * sizeof(float));
+        }
+    }
     ggml_barrier(params->threadpool);
 
     for (int64_t row = ith; row < a.n_stream * a.n_head; row += nth) {
         float * out = a.out_row(0, row % a.n_head, row / a.n_head);
         float M = -INFINITY, S = 0.0f;
         memset(out, 0, a.DV * sizeof(float));
-        for (int64_t p = 0; p < n_p; ++p) {
-            const float * d = parts + (row * n_p + p) * part_size;
-            combine(M, S, out, d[0], d[1], d + 2, a.DV);
+        for (int64_t which = 0; which < 2; ++which) {
+            if (which == 0 ? a.k[0].n > 0 : has_exact) {
+                const float * d = parts + (row * 2 + which) * pl.part_size;
+                combine(M, S, out, d[0], d[1], d + 2, a.DV);
+            }
         }
         finish_row(a, row % a.n_head, M, S, out);
     }
 }
 
-// Several query tokens: a work item is (unit, block of query tokens); it runs the parts one
-// after the other, combining them in its output rows.
-void prompt_item(const fa_node & a, const fa_units::unit & u, int64_t t0, int64_t t1, float * scratch, const shared_tiles & sh) {
+// Several query tokens: a work item is (unit, block of query tokens); it runs the main cells'
+// two passes over its scores sc, then the exact keys, and combines them in its output rows.
+void prompt_item(const fa_node & a, const fa_units::unit & u, int64_t t0, int64_t t1, float * scratch, float * sc,
+                 const shared_tiles & sh) {
     fa_rows rows(a, u, t0, t1, scratch);
     const int R = rows.n();
     float M[KVC_FA_TILE_Q], S[KVC_FA_TILE_Q];
@@ -740,16 +806,30 @@ void prompt_item(const fa_node & a, const fa_units::unit & u, int64_t t0, int64_
         S[r] = 0.0f;
         memset(a.out_row(rows.token(r), rows.head(r), rows.s), 0, a.DV * sizeof(float));
     }
-    const int64_t n_p = n_parts(a.k);
-    for (int64_t p = 0; p < n_p; ++p) {
-        run_part(a, rows, p, sh);
+    const auto fold = [&]() {
         for (int r = 0; r < R; ++r) {
             combine(M[r], S[r], a.out_row(rows.token(r), rows.head(r), rows.s), rows.M[r], rows.S[r], rows.VKQ + r * a.DV, a.DV);
         }
+    };
+    if (a.k[0].n > 0) {
+        const int64_t n_t = n_tiles_of(a.k[0].n);
+        rows.reset(a.DV);
+        main_scores(a, rows, 0, n_t, sh, sc, R, rows.M);
+        main_values(a, rows, sc, R, rows.M, 0, a.DV, rows.VKQ, rows.S, sh);
+        fold();
+    }
+    if (a.k[1].n + a.k[2].n > 0) {
+        exact_part(a, rows);
+        fold();
     }
     for (int r = 0; r < R; ++r) {
         finish_row(a, rows.head(r), M[r], S[r], a.out_row(rows.token(r), rows.head(r), rows.s));
     }
+}
+
+// floats of a prompt work item's scores
+size_t prompt_scores_floats(const fa_units & units, int64_t n_main) {
+    return (size_t) (prompt_block(units, n_main) * units.gh * n_tiles_of(n_main) * KVC_FA_TILE_KV);
 }
 
 void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
@@ -757,22 +837,24 @@ void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
     const int nth = params->nth;
 
     const size_t per_thread = prompt_scratch_floats(a.DK, a.DV);
-    GGML_ASSERT(params->wsize >= per_thread * nth * sizeof(float) && "kvcomp: flash attention scratch too small");
-    float * scratch = (float *) params->wdata + per_thread * ith;
-
     const fa_units units(a, KVC_FA_TILE_Q);
-    const int64_t  qb      = prompt_block(units);
-    const int64_t  n_qb    = (a.n_q + qb - 1) / qb;
-    const int64_t  n_items = units.n * n_qb;
+    const int64_t  qb       = prompt_block(units, a.k[0].n);
+    const int64_t  n_qb     = (a.n_q + qb - 1) / qb;
+    const int64_t  n_items  = units.n * n_qb;
+    const size_t   n_scores = prompt_scores_floats(units, a.k[0].n);
+    GGML_ASSERT(params->wsize >= (per_thread + n_scores) * nth * sizeof(float) && "kvcomp: flash attention scratch too small");
+    float * scratch = (float *) params->wdata + per_thread * ith;
+    float * sc      = (float *) params->wdata + per_thread * nth + n_scores * ith;
 
-    // The main cells' tiles, shared by the blocks and split over the threads; a K tile walks
-    // its RoPE angles from an exact start, so its floats do not depend on which thread made it.
+    // The main cells' tiles, shared by the blocks and split over the threads; a K tile's rows
+    // are turned to their positions by angles of the position alone, so its floats do not
+    // depend on which thread made it.
     shared_tiles  sh;
     const size_t  n_shared = a.ref ? 0 : shared_floats(a.k[0], a.v[0], a.n_stream, a.n_head_kv, a.DK, a.DV, a.n_q, a.G);
-    if (n_shared > 0 && params->wsize >= (per_thread * nth + n_shared) * sizeof(float)) {
+    if (n_shared > 0 && params->wsize >= ((per_thread + n_scores) * nth + n_shared) * sizeof(float)) {
         const fa_src & K = a.k[0];
         const fa_src & V = a.v[0];
-        sh.layout(K, V, a.n_stream, a.n_head_kv, a.DK, a.DV, (float *) params->wdata + per_thread * nth);
+        sh.layout(K, V, a.n_stream, a.n_head_kv, a.DK, a.DV, (float *) params->wdata + (per_thread + n_scores) * nth);
         const int64_t n_t = sh.n_tiles;
         const row_to_f32_t k_to_f32 = K.plans ? nullptr : get_row_to_f32(K.type, false);
         const row_to_f32_t v_to_f32 = get_row_to_f32(V.type, false);
@@ -802,9 +884,10 @@ void fa_prompt(const ggml_compute_params * params, const fa_node & a) {
     // the last query blocks see the most keys of a causal prompt: they go first
     for (int64_t i = ith; i < n_items; i = ggml_threadpool_chunk_add(params->threadpool, 1)) {
         const int64_t b = n_qb - 1 - i / units.n;
-        prompt_item(a, units.at(a, i % units.n), b * qb, std::min(a.n_q, (b + 1) * qb), scratch, sh);
+        prompt_item(a, units.at(a, i % units.n), b * qb, std::min(a.n_q, (b + 1) * qb), scratch, sc, sh);
     }
 }
+
 
 bool readable(ggml_type t) {
     return t == GGML_TYPE_F32 || ggml_get_type_traits(t)->to_float != nullptr;
@@ -864,7 +947,7 @@ bool ours(const ggml_tensor * dst) {
 
 } // namespace
 
-size_t ggml_kvc_cpu_flash_attn_ext_work_size(const struct ggml_tensor * dst) {
+size_t ggml_kvc_cpu_flash_attn_ext_work_size(const struct ggml_tensor * dst, int n_threads) {
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
     const ggml_tensor * v = dst->src[2];
@@ -875,11 +958,15 @@ size_t ggml_kvc_cpu_flash_attn_ext_work_size(const struct ggml_tensor * dst) {
                                       make_src(dst->src[GGML_KVCOMP_FA_SRC_K_UBATCH], q->ne[3]) };
     const fa_src vs[KVC_FA_N_SRC] = { make_src(v, q->ne[3]), make_src(dst->src[GGML_KVCOMP_FA_SRC_V_EXACT], q->ne[3]),
                                       make_src(dst->src[GGML_KVCOMP_FA_SRC_V_UBATCH], q->ne[3]) };
+    // the threads' scratch takes KVC_FA_PAD floats more than upstream's
+    const size_t pad = (size_t) (KVC_FA_PAD * n_threads);
     if (q->ne[1] == 1) {
-        // the decode step's partials
-        return (size_t) (q->ne[3] * q->ne[2] * n_parts(ks) * (2 + v->ne[0])) * sizeof(float);
+        return (pad + decode_plan(ks, vs, q->ne[3], q->ne[2], k->ne[2], v->ne[0], n_threads).floats()) * sizeof(float);
     }
-    return shared_floats(ks[0], vs[0], q->ne[3], k->ne[2], k->ne[0], v->ne[0], q->ne[1], q->ne[2] / k->ne[2]) * sizeof(float);
+    const fa_units units(q->ne[2] / k->ne[2], q->ne[3], k->ne[2], KVC_FA_TILE_Q);
+    return (pad + prompt_scores_floats(units, ks[0].n) * n_threads +
+            shared_floats(ks[0], vs[0], q->ne[3], k->ne[2], k->ne[0], v->ne[0], q->ne[1], q->ne[2] / k->ne[2])) *
+           sizeof(float);
 }
 
 bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, struct ggml_tensor * dst) {

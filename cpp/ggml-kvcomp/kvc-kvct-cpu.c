@@ -563,35 +563,43 @@ void kvc_t_rope_walk_init(kvc_t_rope_walk * w, const kvc_t_rope * rope, const kv
     w->dec    = dec;
     w->fold   = dec && dec->pairing != 0;
     w->base   = INT64_MIN;
-    w->n_move = 0;
     w->delta  = 0;
+}
+
+// the multiple of m at or below pos
+static inline int64_t kvc_t_floor_to(int64_t pos, int64_t m) {
+    const int64_t r = pos % m;
+    return pos - (r < 0 ? r + m : r);
 }
 
 void kvc_t_rope_walk_to(kvc_t_rope_walk * w, int64_t pos) {
     const int32_t n = w->rope->n_pairs;
-    int64_t delta = w->base != INT64_MIN ? pos - w->base : -1;
-    if (delta >= KVC_T_ROPE_STEPS && delta < 2 * KVC_T_ROPE_STEPS && w->n_move < KVC_T_ROPE_RESYNC) {
-        kvc_t_add_angles(n, w->bc, w->bs, w->steps->c[KVC_T_ROPE_STEPS], w->steps->s[KVC_T_ROPE_STEPS]);
-        w->base += KVC_T_ROPE_STEPS;
-        w->n_move++;
-        delta -= KVC_T_ROPE_STEPS;
-    } else if (delta < 0 || delta >= KVC_T_ROPE_STEPS) {
-        float * bc = w->bc;
-        float * bs = w->bs;
-        kvc_t_rope_cs(w->rope, pos, bc, bs);
-        if (w->fold) {
-            const kvc_t_plan * plan = w->dec->plan;
-            for (int32_t p = 0; p < n; ++p) {
-                const float cp = bc[p], sp = bs[p], rc = plan->rot[p][0], rs = plan->rot[p][1];
-                bc[p] = cp * rc - sp * rs;
-                bs[p] = sp * rc + cp * rs;
+    const int64_t b = kvc_t_floor_to(pos, KVC_T_ROPE_STEPS);
+    if (b != w->base) {
+        const float * sc = w->steps->c[KVC_T_ROPE_STEPS];
+        const float * ss = w->steps->s[KVC_T_ROPE_STEPS];
+        if (w->base != INT64_MIN && b == w->base + KVC_T_ROPE_STEPS && b % KVC_T_ROPE_EXACT != 0) {
+            kvc_t_add_angles(n, w->bc, w->bs, sc, ss);
+        } else {
+            const int64_t e = kvc_t_floor_to(b, KVC_T_ROPE_EXACT);
+            float * bc = w->bc;
+            float * bs = w->bs;
+            kvc_t_rope_cs(w->rope, e, bc, bs);
+            if (w->fold) {
+                const kvc_t_plan * plan = w->dec->plan;
+                for (int32_t p = 0; p < n; ++p) {
+                    const float cp = bc[p], sp = bs[p], rc = plan->rot[p][0], rs = plan->rot[p][1];
+                    bc[p] = cp * rc - sp * rs;
+                    bs[p] = sp * rc + cp * rs;
+                }
+            }
+            for (int64_t q = e; q < b; q += KVC_T_ROPE_STEPS) {
+                kvc_t_add_angles(n, bc, bs, sc, ss);
             }
         }
-        w->base   = pos;
-        w->n_move = 0;
-        delta     = 0;
+        w->base = b;
     }
-    w->delta = (int32_t) delta;
+    w->delta = (int32_t) (pos - b);
 }
 
 // The walk at key position pos: a key one of the next steps after the walk's base takes that

@@ -70,12 +70,15 @@ void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan);
 
 // The angles of one key position after another. Keys come in cell order, mostly one position
 // apart; each key's angles are its base's turned by a table of the first KVC_T_ROPE_STEPS
-// steps (no chain from one key to the next), the base moves KVC_T_ROPE_STEPS positions at a
-// time and is taken exact (kvc_t_rope_cs) again after KVC_T_ROPE_RESYNC moves or for any
-// other position. For a decoder of pairing 1 or 2 the angles include its plan's rotation
-// (kvc_t_decoder_row_at).
-#define KVC_T_ROPE_STEPS  16
-#define KVC_T_ROPE_RESYNC 128
+// steps (no chain from one key to the next). The base is the multiple of KVC_T_ROPE_STEPS at
+// or below the key; its angles are taken exact (kvc_t_rope_cs) at the multiple of
+// KVC_T_ROPE_EXACT below it and turned by the step table's last row once per KVC_T_ROPE_STEPS
+// positions from there. So a key's angles depend on its position alone, not on the key the
+// walk came from: a row reads the same in a tile that starts at another cell, as it must for
+// a request whose cells other sequences of a unified cache sit between. For a decoder of
+// pairing 1 or 2 the angles include its plan's rotation (kvc_t_decoder_row_at).
+#define KVC_T_ROPE_STEPS 16
+#define KVC_T_ROPE_EXACT 256
 
 // (cos, sin) of j steps of a RoPE, j = 0 .. KVC_T_ROPE_STEPS, one table per node.
 typedef struct {
@@ -90,8 +93,7 @@ typedef struct {
     const kvc_t_rope_steps * steps;
     const kvc_t_decoder *    dec;
     bool    fold;   // the plan's rotation is in the angles
-    int64_t base;   // the position of bc and bs (INT64_MIN: none yet)
-    int32_t n_move; // moves of the base since it was exact
+    int64_t base;   // the position of bc and bs, a multiple of KVC_T_ROPE_STEPS (INT64_MIN: none yet)
     int32_t delta;  // the key's position: base + delta, 0 <= delta < KVC_T_ROPE_STEPS
     float   bc[KVC_T_MAX_D / 2], bs[KVC_T_MAX_D / 2];
 } kvc_t_rope_walk;

@@ -5,8 +5,10 @@
 // For each cache (upstream's q8_0 as the reference, then every kvc type, every mode's knobs
 // with the scale tracker off, and with K statistics the kvct K pair and the modes that take
 // it), prompts of 38 and 512 tokens are decoded as one ubatch, as ubatches of 1, 7 and 32,
-// and as one ubatch followed by seq_rm of the last token and its decode alone (the buffer
-// keeps the rows that cut-back needs: llama_kvcomp_seq_rm_exact must say so). The last token's logits of every way must equal the one-ubatch logits: the
+// as one ubatch followed by seq_rm of the last token and its decode alone (the buffer keeps
+// the rows that cut-back needs: llama_kvcomp_seq_rm_exact must say so), and on a unified
+// cache beside two other sequences whose cells lie between its own. The last token's logits
+// of every way must equal the one-ubatch logits: the
 // bound is upstream q8_0's largest difference in the same run (0 on this build), not a
 // tolerance for another kernel's rounding.
 
@@ -30,16 +32,21 @@ struct cache_config {
     bool        no_tracker = false; // the mode's knobs without the scale tracker
 };
 
+const int      WAY_UNIFIED   = -1;  // last_logits' way beside other sequences
+const uint32_t UNIFIED_SEQS  = 3;
+const uint32_t UNIFIED_EXTRA = 128; // cells for the other sequences
+
 struct runner {
     llama_model * model;
     const char *  stats_path;
     uint32_t      n_ctx;
 
-    llama_context * make(const cache_config & c) const {
-        llama_context_params cp = test_ctx_params(c.type_k, 1, true, c.type_v);
-        cp.n_ctx = n_ctx;
-        cp.n_batch = n_ctx;
-        cp.n_ubatch = n_ctx;
+    // one sequence in n_ctx cells, or UNIFIED_SEQS on a unified cache with room for the others
+    llama_context * make(const cache_config & c, bool unified = false) const {
+        llama_context_params cp = test_ctx_params(c.type_k, unified ? UNIFIED_SEQS : 1, true, c.type_v);
+        cp.n_ctx = unified ? n_ctx + UNIFIED_EXTRA : n_ctx;
+        cp.n_batch = cp.n_ctx;
+        cp.n_ubatch = cp.n_ctx;
         llama_context * ctx = llama_init_from_model(model, cp);
         if (!ctx) {
             return nullptr;
@@ -65,11 +72,14 @@ struct runner {
     }
 
     // the last token's logits of toks[0, n) decoded in ubatches of `chunk` (0: one ubatch, then
-    // seq_rm of the last token and its decode alone)
+    // seq_rm of the last token and its decode alone; WAY_UNIFIED: beside other sequences)
     std::vector<float> last_logits(const cache_config & c, const std::vector<llama_token> & toks, int n, int chunk) const {
-        ctx_ptr p{ make(c) };
+        ctx_ptr p{ make(c, chunk == WAY_UNIFIED) };
         if (!p.ctx) {
             return {};
+        }
+        if (chunk == WAY_UNIFIED) {
+            return beside_others(p.ctx, toks, n);
         }
         if (chunk > 0) {
             return decode(p.ctx, toks, 0, n, chunk);
@@ -79,6 +89,52 @@ struct runner {
             return {};
         }
         return decode(p.ctx, toks, n - 1, n, 1);
+    }
+
+    // Sequence 0's prompt on a unified cache that other sequences share, as llama-server's
+    // slots do: sequence 1 takes the first cells, sequences 0 and 2 come in one ubatch with
+    // their tokens interleaved, then sequence 0's last token in a ubatch beside one of
+    // sequence 1's. Sequence 0's keys sit at other cells, between keys it does not see.
+    static std::vector<float> beside_others(llama_context * ctx, const std::vector<llama_token> & toks, int n) {
+        const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+        const int n1 = 45, n2 = 29, o1 = 600, o2 = 800; // the others' lengths and where their text starts
+        if ((int) toks.size() < o2 + n2 || n1 + n2 + 1 > UNIFIED_EXTRA) {
+            return {};
+        }
+        llama_batch batch = llama_batch_init(std::max(n + n2, n1), 0, 1);
+        const auto add = [&](llama_token t, llama_pos pos, llama_seq_id seq, bool logits) {
+            const int j = batch.n_tokens++;
+            batch.token[j]     = t;
+            batch.pos[j]       = pos;
+            batch.n_seq_id[j]  = 1;
+            batch.seq_id[j][0] = seq;
+            batch.logits[j]    = logits;
+        };
+        batch.n_tokens = 0;
+        for (int i = 0; i < n1; ++i) {
+            add(toks[o1 + i], i, 1, false);
+        }
+        bool ok = llama_decode(ctx, batch) == 0;
+        batch.n_tokens = 0;
+        for (int i = 0, i2 = 0; i < n - 1; ++i) {
+            add(toks[i], i, 0, false);
+            if (i % 3 == 1 && i2 < n2) {
+                add(toks[o2 + i2], i2, 2, false);
+                ++i2;
+            }
+        }
+        std::vector<float> out;
+        if (ok && llama_decode(ctx, batch) == 0) {
+            batch.n_tokens = 0;
+            add(toks[o1 + n1], n1, 1, false);
+            add(toks[n - 1], n - 1, 0, true);
+            if (llama_decode(ctx, batch) == 0) {
+                const float * l = llama_get_logits_ith(ctx, 1);
+                out.assign(l, l + n_vocab);
+            }
+        }
+        llama_batch_free(batch);
+        return out;
     }
 };
 
@@ -111,7 +167,7 @@ double max_abs_diff(const std::vector<float> & a, const std::vector<float> & b) 
     return d;
 }
 
-const int CHUNKS[] = { 1, 7, 32, 0 };
+const int CHUNKS[] = { 1, 7, 32, 0, WAY_UNIFIED };
 
 // The largest difference to one ubatch over the ways of CHUNKS, for a prompt of n tokens;
 // `ways` gets each way's.
@@ -123,7 +179,7 @@ double worst_split(report & rep, const runner & r, const cache_config & c, const
     for (const int chunk : CHUNKS) {
         const double d = max_abs_diff(r.last_logits(c, toks, n, chunk), whole);
         char buf[64];
-        snprintf(buf, sizeof(buf), "%s%s %.3g", ways.empty() ? "" : ", ", chunk > 0 ? std::to_string(chunk).c_str() : "seq_rm", d);
+        snprintf(buf, sizeof(buf), "%s%s %.3g", ways.empty() ? "" : ", ", chunk > 0 ? std::to_string(chunk).c_str() : chunk == 0 ? "seq_rm" : "unified", d);
         ways += buf;
         worst = std::max(worst, d);
     }
@@ -177,7 +233,7 @@ int main(int argc, char ** argv) {
         for (const cache_config & c : configs) {
             ways.clear();
             const double d = worst_split(rep, r, c, toks, n, ways);
-            rep.check(d <= bound, "%d tokens, %s: ubatches of 1, 7, 32 and a re-decode after seq_rm give one ubatch's logits (largest difference %.3g <= %.3g; %s)",
+            rep.check(d <= bound, "%d tokens, %s: ubatches of 1, 7, 32, a re-decode after seq_rm and a unified cache beside others give one ubatch's logits (largest difference %.3g <= %.3g; %s)",
                       n, c.name.c_str(), d, bound, ways.c_str());
         }
     }
