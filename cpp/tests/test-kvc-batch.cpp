@@ -1,16 +1,18 @@
 // One arithmetic per query: a token's logits do not depend on how its prompt was cut into
-// ubatches, nor on whether it is decoded again after a cut-back. Usage:
-// test-kvc-batch MODEL.gguf [K_STATS.gguf]
+// ubatches, on whether it is decoded again after a cut-back, nor on the other sequences of a
+// unified cache. Usage: test-kvc-batch MODEL.gguf [K_STATS.gguf]
 //
 // For each cache (upstream's q8_0 as the reference, then every kvc type, every mode's knobs
 // with the scale tracker off, and with K statistics the kvct K pair and the modes that take
 // it), prompts of 38 and 512 tokens are decoded as one ubatch, as ubatches of 1, 7 and 32,
 // as one ubatch followed by seq_rm of the last token and its decode alone (the buffer keeps
 // the rows that cut-back needs: llama_kvcomp_seq_rm_exact must say so), and on a unified
-// cache beside two other sequences whose cells lie between its own. The last token's logits
-// of every way must equal the one-ubatch logits: the
-// bound is upstream q8_0's largest difference in the same run (0 on this build), not a
-// tolerance for another kernel's rounding.
+// cache beside two other sequences whose cells lie between its own (every mode with its
+// tracker too, against the same cache holding the prompt alone: a cache that several
+// sequences share gives its stream no K offset, where one of its own has one). The last
+// token's logits of every way must equal the one-ubatch logits: the bound is upstream q8_0's
+// largest difference in the same run (0 on this build), not a tolerance for another kernel's
+// rounding.
 
 #include "kvc-llama-util.h"
 #include "kvc-test-util.h"
@@ -30,9 +32,11 @@ struct cache_config {
     int32_t     mode;  // LLAMA_KVCOMP_MODE_CUSTOM: none
     bool        stats; // the K statistics are set
     bool        no_tracker = false; // the mode's knobs without the scale tracker
+    bool        unified_only = false; // only the unified way (the tracker's offset is 0 there)
 };
 
 const int      WAY_UNIFIED   = -1;  // last_logits' way beside other sequences
+const int      WAY_ALONE     = -2;  // its reference: one ubatch on the same unified cache, alone
 const uint32_t UNIFIED_SEQS  = 3;
 const uint32_t UNIFIED_EXTRA = 128; // cells for the other sequences
 
@@ -72,17 +76,18 @@ struct runner {
     }
 
     // the last token's logits of toks[0, n) decoded in ubatches of `chunk` (0: one ubatch, then
-    // seq_rm of the last token and its decode alone; WAY_UNIFIED: beside other sequences)
+    // seq_rm of the last token and its decode alone; WAY_UNIFIED: beside other sequences;
+    // WAY_ALONE: one ubatch on the cache WAY_UNIFIED takes)
     std::vector<float> last_logits(const cache_config & c, const std::vector<llama_token> & toks, int n, int chunk) const {
-        ctx_ptr p{ make(c, chunk == WAY_UNIFIED) };
+        ctx_ptr p{ make(c, chunk == WAY_UNIFIED || chunk == WAY_ALONE) };
         if (!p.ctx) {
             return {};
         }
         if (chunk == WAY_UNIFIED) {
             return beside_others(p.ctx, toks, n);
         }
-        if (chunk > 0) {
-            return decode(p.ctx, toks, 0, n, chunk);
+        if (chunk > 0 || chunk == WAY_ALONE) {
+            return decode(p.ctx, toks, 0, n, chunk > 0 ? chunk : n);
         }
         if (decode(p.ctx, toks, 0, n, n).empty() || llama_kvcomp_seq_rm_exact(p.ctx, 0, n - 1, -1) != 1 ||
             !llama_memory_seq_rm(llama_get_memory(p.ctx), 0, n - 1, -1)) {
@@ -173,10 +178,14 @@ const int CHUNKS[] = { 1, 7, 32, 0, WAY_UNIFIED };
 // `ways` gets each way's.
 double worst_split(report & rep, const runner & r, const cache_config & c, const std::vector<llama_token> & toks, int n,
                    std::string & ways) {
-    const std::vector<float> whole = r.last_logits(c, toks, n, n);
+    // a mode with its tracker keeps a K offset on a cache of its own, none on a shared one
+    const std::vector<float> whole = r.last_logits(c, toks, n, c.unified_only ? WAY_ALONE : n);
     rep.check(!whole.empty(), "%s decodes a %d-token prompt", c.name.c_str(), n);
     double worst = 0.0;
     for (const int chunk : CHUNKS) {
+        if (c.unified_only && chunk != WAY_UNIFIED) {
+            continue;
+        }
         const double d = max_abs_diff(r.last_logits(c, toks, n, chunk), whole);
         char buf[64];
         snprintf(buf, sizeof(buf), "%s%s %.3g", ways.empty() ? "" : ", ", chunk > 0 ? std::to_string(chunk).c_str() : chunk == 0 ? "seq_rm" : "unified", d);
@@ -210,6 +219,7 @@ int main(int argc, char ** argv) {
         ggml_type tk, tv;
         llama_kvcomp_mode_preset(m, &kp, &tk, &tv);
         configs.push_back({ std::string(llama_kvcomp_mode_name(m)) + " without the tracker", tk, tv, m, false, true });
+        configs.push_back({ std::string(llama_kvcomp_mode_name(m)) + " with the tracker", tk, tv, m, false, false, true });
         const int32_t tks = llama_kvcomp_mode_type_k_stats(m);
         if (stats && tks != (int32_t) tk) {
             configs.push_back({ std::string(llama_kvcomp_mode_name(m)) + "+stats", (ggml_type) tks, tv, m, true, false });
