@@ -10,7 +10,6 @@
 #include "common.h"
 #include "log.h"
 #include "llama-kvcomp.h"
-#include "kvcomp-tool.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -51,24 +50,26 @@ int main(int argc, char ** argv) {
         LOG_ERR("usage: %s -m MODEL -f TEXT -o OUT.gguf [-c N_CTX] [--chunks N] [--skip-first N]\n", argv[0]);
         return 1;
     }
-    params.cache_type_k = params.cache_type_v = GGML_TYPE_F16;
-    params.warmup = false;
     common_init();
-    auto init = kvcomp_tool_context(params);
-    llama_context * ctx = init->context();
-    if (!ctx) {
+    llama_backend_init();
+    // the library makes the contexts it measures with; the tool needs only the model and its vocabulary
+    llama_model * model = llama_model_load_from_file(params.model.path.c_str(), common_model_params_to_llama(params));
+    if (!model) {
+        LOG_ERR("failed to load the model '%s'\n", params.model.path.c_str());
         return 1;
     }
-    llama_model * model = init->model();
-    std::vector<llama_token> toks = common_tokenize(ctx, params.prompt, true);
+    const std::vector<llama_token> toks = common_tokenize(llama_model_get_vocab(model), params.prompt, true);
     const int n_ctx = (int) params.n_ctx;
     n_chunks = std::min<int>(n_chunks, (int) (toks.size() / n_ctx));
     if (n_chunks < 1) {
         LOG_ERR("the text has %zu tokens, fewer than one chunk of %d\n", toks.size(), n_ctx);
+        llama_model_free(model);
         return 1;
     }
-    if (llama_kvcomp_measure_k_stats(model, toks.data(), n_chunks * n_ctx, n_ctx, skip_first, params.cpuparams.n_threads,
-                                     out.c_str(), nullptr, nullptr) != 0) {
+    const int32_t res = llama_kvcomp_measure_k_stats(model, toks.data(), n_chunks * n_ctx, n_ctx, skip_first,
+                                                     params.cpuparams.n_threads, out.c_str(), nullptr, nullptr);
+    llama_model_free(model);
+    if (res != 0) {
         LOG_ERR("kvcomp calibrate: %s\n", llama_kvcomp_last_error());
         return 1;
     }
