@@ -14,7 +14,22 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import bench, calibrate, corpus, export, layers, models, needle, perplexity, plots, regress, report, steps
+from . import (
+    bench,
+    calibrate,
+    corpus,
+    export,
+    layers,
+    models,
+    needle,
+    perplexity,
+    plots,
+    regress,
+    report,
+    reportdata,
+    reportgen,
+    steps,
+)
 from .kvtypes import DEFAULT_CONFIGS, KvConfig
 
 
@@ -47,16 +62,8 @@ def _command_line(argv: Sequence[str]) -> str:
 
 def _cpu() -> str:
     """The CPU's name and the widest SIMD level it offers (what a native build uses)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                platform.machine())
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    level = ("AVX-512 VBMI" if "avx512vbmi" in flags else "AVX-512" if "avx512f" in flags else
-             "AVX2" if "avx2" in flags else "no AVX2")
-    return f"{name}, {level}"
+    m = reportdata.this_machine()
+    return f"{m.cpu}, {m.simd}"
 
 
 def _machine() -> str:
@@ -284,11 +291,30 @@ def cmd_export(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_report(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.data:
+        readme = None if args.readme == "" else Path(args.readme)
+        reportgen.write(reportdata.load_all(Path(args.data)), Path(args.results), readme)
+        print(f"kvcomp report: {args.results}" + (f", {readme}" if readme else ""))
+        return 0
+    if not args.out:
+        raise ValueError("give --out FOLDER (plots of --kld/--bench/--snapshot) or --data FOLDER (docs/results.md)")
+
     def path(p: str | None) -> Path | None:
         return Path(p) if p else None
 
     out = plots.write_report(Path(args.out), path(args.kld), path(args.bench), path(args.snapshot))
     print(f"kvcomp report: {out}")
+    return 0
+
+
+def cmd_record(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Runs one `kvcomp kld/bench/needle` command and keeps its rows as a report record."""
+    inner = list(args.kvcomp)
+    if inner[:1] == ["--"]:
+        inner = inner[1:]
+    threads = int(build_parser().parse_args(inner).threads)
+    rec = reportdata.measure(args.name, inner, threads, args.quick, _command_line(inner), main)
+    print(f"kvcomp record: {reportdata.save(rec, Path(args.data))} ({rec.seconds:.0f} s)")
     return 0
 
 
@@ -404,8 +430,21 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--kld", help="JSON of `kvcomp kld --json` (KLD vs bpe frontier)")
     rp.add_argument("--bench", help="JSON of `kvcomp bench --json` (decode t/s vs depth)")
     rp.add_argument("--snapshot", help="a monitor snapshot (per-layer K RMSE heatmap)")
-    rp.add_argument("--out", required=True, help="folder for report.md and the PNGs")
+    rp.add_argument("--out", help="folder for report.md and the PNGs")
+    rp.add_argument("--data", help="render docs/results.md from the records in this folder (`kvcomp record`) "
+                    "instead")
+    rp.add_argument("--results", default="docs/results.md", help="with --data: the report to (re)write")
+    rp.add_argument("--readme", default="README.md",
+                    help="with --data: the file whose mode-table block to rewrite ('': none)")
     rp.set_defaults(func=cmd_report)
+
+    rc = sub.add_parser("record", help="run `kvcomp kld/bench/needle ...` and keep its rows, command, date and "
+                        "machine as a record for `kvcomp report --data`")
+    rc.add_argument("--name", required=True, help="the record's name (its table in the report)")
+    rc.add_argument("--data", default="docs/results-data", help="the folder of records")
+    rc.add_argument("--quick", action="store_true", help="mark the record as measured by a quick run")
+    rc.add_argument("kvcomp", nargs=argparse.REMAINDER, help="-- then the kvcomp command line, e.g. -- kld ...")
+    rc.set_defaults(func=cmd_record)
 
     pr = sub.add_parser("profile", help="calibration profile (f16-KV perplexity) for llama-server --kv-comp-baseline")
     pr.add_argument("--model", default=models.DEFAULT_MODEL, choices=sorted(models.MODELS))

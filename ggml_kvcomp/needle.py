@@ -9,9 +9,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from . import llm
+from .capi import K_LAYERS_NAMES, KLayersName
 from .kvtypes import KNOBS, KvConfig
 
 QUESTION = "\n\nQuestion: What is the secret passphrase mentioned in the text above?\nAnswer: The secret passphrase is"
@@ -43,10 +44,19 @@ def prompt(filler: str, depth: float, n_chars: int) -> str:
 
 
 def _open(cfg: KvConfig, model: Path, n_ctx: int, threads: int) -> Any:
-    m = llm.new_llama(model, cfg.type_k, cfg.type_v, n_ctx=n_ctx, n_threads=threads)
-    # the monitor and the per-layer K rule are no knobs of llama_kvcomp_configure
+    # the monitor, the per-layer K rule and the K statistics are no knobs of llama_kvcomp_configure
     knobs = {KNOBS[letter][0]: value for letter, _, value in cfg._knobs()
-             if KNOBS[letter][0] not in ("monitor", "k_layers")}
+             if KNOBS[letter][0] not in ("monitor", "k_layers", "kstats")}
+    if cfg.mode is not None and cfg.kstats:
+        # a mode with the model's K statistics, as `--kv-comp MODE` (':k3') or kvcomp kld (':k1', ':k2') runs it
+        from .calibrate import ensure_kstats
+        from .layers import ensure_profile
+
+        return llm.open_llama(model, cfg.mode, n_ctx=n_ctx, n_threads=threads,
+                              kstats="auto" if cfg.kstats == 3 else ensure_kstats(model),
+                              k_layers=cast(KLayersName, K_LAYERS_NAMES[cfg.k_layers]),
+                              layers=ensure_profile(model) if cfg.kstats == 2 else None, **knobs)
+    m = llm.new_llama(model, cfg.type_k, cfg.type_v, n_ctx=n_ctx, n_threads=threads)
     if cfg.mode is not None or knobs:
         llm.configure(m, cfg.mode or "off", **knobs)
     return m
