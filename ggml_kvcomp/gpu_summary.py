@@ -1,6 +1,6 @@
 """summary.md and summary.json of a scripts/gpu-check.sh run, from the files it left in its folder.
 
-Also judges issue 7's speed targets on the bench rows: decode at the deepest depth with
+Also judges the GPU speed targets on the bench rows: decode at the deepest depth with
 `balanced` at least 1.2x f16's tokens/s and at least q4_0's, prefill at least 0.9x f16's.
 """
 

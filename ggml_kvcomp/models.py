@@ -28,7 +28,7 @@ class DequantizedModel:
 
     The same function as its source, without the 8-bit rounding of activations that quantized
     weights impose on every matrix product: that rounding turns any last-bit change of the
-    KV cache into a KLD of about q8_0's (docs/results.md, "the noise floor"), so KV formats are
+    KV cache into a KLD of about q8_0's (docs/tools.md, "Measuring"), so KV formats are
     told apart on this copy.
     """
 

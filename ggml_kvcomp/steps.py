@@ -1,5 +1,5 @@
 """Drives llama-kvcomp-steps: per-step decode latency, split by whether the residual buffer
-ran a merge pass in the step (issue 3: no step with a merge may take over 1.5x one without),
+ran a merge pass in the step (the target: no step with a merge takes over 1.5x one without),
 and, with ops, the time of each kind of graph node inside the steps (a kernel inside a model,
 its rows read cold)."""
 

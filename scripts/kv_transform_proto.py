@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""A transform coder of real K rows against kvc4, at equal bits (issue 20's format, measured
-before it is built).
+"""A transform coder of real K rows against kvc4, at equal bits (a prototype of the kvct
+format).
 
 Input: the dump of `llama-kvcomp-rows` (PREFIX.json and PREFIX.{kpost,qpost}.f32). Per
 layer and KV head, the first `--calib` rows fix what the format keeps per layer (as the

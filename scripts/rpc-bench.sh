@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Speed and bytes per decode step over two local ggml-rpc-servers against one process
-# (docs/results.md, "Over RPC"): llama-bench at depth D (default 4096) for each configuration
+# Speed and bytes per decode step over two local ggml-rpc-servers against one process:
+# llama-bench at depth D (default 4096) for each configuration
 # given as "name|KV flags", e.g.
 #   scripts/rpc-bench.sh "f16|-ctk f16 -ctv f16" "balanced|-ctk kvc4 -ctv kvc3 --kv-comp balanced"
 # Bytes per step: the loopback interface's bytes over a run of 48 generated tokens minus one

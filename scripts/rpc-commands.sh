@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What a decode step sends to two local ggml-rpc-servers, command by command (docs/results.md,
-# "Over RPC"): the servers log every command with GGML_RPC_DEBUG=1; a llama-bench run of 48
+# What a decode step sends to two local ggml-rpc-servers, command by command: the
+# servers log every command with GGML_RPC_DEBUG=1; a llama-bench run of 48
 # generated tokens minus one of 16 at depth D (default 1024), over 32. Usage:
 #   scripts/rpc-commands.sh "-ctk kvc4 -ctv kvc3 --kv-comp balanced"
 set -u

@@ -320,7 +320,7 @@ def _f16_without_fa(name: str, text: Path) -> perplexity.KldResult:
 def test_kld_noise_floor(text: Path, name: str, floor: bool) -> None:
     # The Q4_1 model rounds every matrix product's input to 8 bits, which grows the kernel
     # change into a KLD near q8_0's; its F32 copy keeps it far below, and so tells KV formats
-    # apart (docs/results.md, "the noise floor").
+    # apart (docs/tools.md, "Measuring").
     path = _f16_without_fa(name, text)
     q8 = perplexity.run_kld(KvConfig.parse("q8_0"), _floor_settings(name, text))
     if floor:

@@ -1,6 +1,6 @@
-"""Every KV head in the monitor's exports (issue 18): the public layer stats hold the scales of
-the first LLAMA_KVCOMP_MAX_HEADS (16) KV heads, and the monitor once exported 0 for the
-others. A tiny random llama with 32 KV heads (tests/tiny_model.py) behind llama-server.
+"""Every KV head in the monitor's exports: the public layer stats hold the scales of
+the first LLAMA_KVCOMP_MAX_HEADS (16) KV heads, and the monitor exports the others too, not
+0. A tiny random llama with 32 KV heads (tests/tiny_model.py) behind llama-server.
 
 Reference: the heads of a random model are alike, so the scales of heads 16-31 must be of the
 size of heads 0-15's (which the capped struct always carried), within a factor of 2 of their

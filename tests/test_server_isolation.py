@@ -1,4 +1,4 @@
-"""What one request computes must not depend on the requests around it (issue 17): on a
+"""What one request computes must not depend on the requests around it: on a
 4-slot server at temperature 0, a prompt sent alone again later gives its first answer, and
 running it while the other 3 slots are busy changes it no more often than it does with
 upstream's f16 cache (whose batch shapes and kernels also change with the company).
@@ -9,7 +9,7 @@ own KV stream, with its own K offset from the first 32 positions of the sequence
 it; docs/design-tracker-modes.md, "Isolation") and on a unified one (`--kv-unified`: the slots
 share one stream and its cells, whose keys then take no offset). Not in the default run
 (KVCOMP_ISOLATION=1 runs it: a few minutes per layout on 2 cores), as test-kvc-llama checks
-the same property on the C API in seconds (docs/results.md, "Isolation between requests")."""
+the same property on the C API in seconds."""
 
 from __future__ import annotations
 

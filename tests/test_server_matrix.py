@@ -1,4 +1,4 @@
-"""llama-server with kvcomp under the features its users reach for (issue 17): every mode and a
+"""llama-server with kvcomp under the features its users reach for: every mode and a
 kvc4 cache with a window and sinks, on a unified and on a split cache of 2 slots, each taking
 plain completions, backend sampling, n_probs, a context shift, slot save/restore, a reused
 prompt, speculative decoding with a draft model and an embeddings request. The server must
@@ -90,7 +90,7 @@ def test_server_features(bins: Path, model: Path, tmp_path: Path, config: str, l
 
 def test_metrics_survive_sleep(bins: Path, model: Path, tmp_path: Path) -> None:
     """A sleeping server has freed its context; /metrics keeps the kvcomp series, and the
-    counters never go back, before or after waking (issue 17)."""
+    counters never go back, before or after waking."""
 
     def counters(url: str) -> dict[str, float]:
         status, text = get(f"{url}/metrics")

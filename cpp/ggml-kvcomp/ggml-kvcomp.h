@@ -33,7 +33,7 @@ static inline bool ggml_kvcomp_is_kvct(enum ggml_type t) {
     return t >= GGML_KVCOMP_KVCT_FIRST && t <= GGML_KVCOMP_KVCT_LAST;
 }
 
-// Types whose kernels exist for the CPU backend only (kvc5; issue 21): a cache of one lives in
+// Types whose kernels exist for the CPU backend only (kvc5): a cache of one lives in
 // host memory, or on an rpc-server of this build.
 static inline bool ggml_kvcomp_is_cpu_only(enum ggml_type t) {
     return t == GGML_TYPE_KVC5;

@@ -1,6 +1,6 @@
 #pragma once
 
-// The transform-coded K row (issue 20; layout and rules in docs/formats.md, "kvct"): one
+// The transform-coded K row (layout and rules in docs/formats.md, "kvct"): one
 // KV head's row of d values, coded with a plan fixed per layer and KV head from measured
 // statistics. The plan turns each RoPE pair of channels by its own 2x2 rotation (the pair's
 // principal axes before RoPE; the identity for rows after RoPE), removes a mean, and gives

@@ -1,4 +1,4 @@
-// Differential fuzzer of the residual buffer and the tracker (issue 17). Usage:
+// Differential fuzzer of the residual buffer and the tracker. Usage:
 //   test-kvc-fuzz MODEL.gguf [SECONDS [SEED]]
 //
 // Each run draws a buffer configuration and a sequence of the operations llama.cpp users

@@ -10,10 +10,10 @@
 // - seq_cp and seq_rm + re-decode give the logits of the uninterrupted run;
 // - a context shift (seq_rm of the first tokens + seq_add) stays as close to f16's shift as
 //   the type is to f16 without one, up to the extra rounding of the shifted keys.
-// Then the residual buffer on kvc4 (the issue-3 list): window 0 is the plain cache, a window
+// Then the residual buffer on kvc4: window 0 is the plain cache, a window
 // covering the context is f16, batched = sequential with merges inside the prompt, sequences
 // isolated, seq_cp/seq_rm/context shift/state round trips, refusals, and outlier pins.
-// Then the scale tracker and the modes (issue 4): the mode table round trip and refusals, the
+// Then the scale tracker and the modes: the mode table round trip and refusals, the
 // K offset invisible to attention on an f16 cache, lower error on kvc4, context shift and
 // state round trips with the offset, and a sequence loaded into a cache with other offsets.
 
@@ -257,8 +257,8 @@ std::vector<float> run_ops(llama_context * ctx, const std::vector<llama_token> &
 }
 
 // An unquantized cache holds every row exactly, so no buffer configuration and no tracker
-// may change a single logit (issue 17: sinks and small windows did, by reading the main
-// cells as F32 and the exact rows in another order).
+// may change a single logit (as sinks and small windows would by reading the main cells as F32
+// and the exact rows in another order).
 void test_exact_caches(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
     struct config {
         const char * name;
@@ -301,7 +301,7 @@ void test_exact_caches(report & rep, llama_model * model, const std::vector<llam
 // reads with one of three kernels: tiled (>= 64 queries), one-chunk, or split-KV (one query
 // over >= 512 keys). They round differently; in a quantized cache, and through this model's
 // 8-bit activations (Q4_1 weights), a difference in the last bit grows into a different draw
-// of quantization noise (docs/results.md, "the noise floor").
+// of quantization noise (docs/tools.md, "Measuring").
 void test_residual_buffer(report & rep, llama_model * model, const std::vector<llama_token> & toks) {
     // Quality is judged by the mean KL to f16 over the last 64 tokens: one token's logits
     // move by a fresh draw of quantization noise whenever the kernel changes.
@@ -340,8 +340,8 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
             "buffer: refused without flash attention on a kvc4 K cache, accepted (and off) on an f16 one");
     }
     // A split cache's worst-case graph spans every stream: built after the last ubatch ran on
-    // stream 1 alone (here after a context shift), it viewed the slots from that stream on,
-    // past their end, and aborted the process (issue 17)
+    // stream 1 alone (here after a context shift), it views every stream's slots, not those
+    // from that stream on (past their end, which aborts the process)
     {
         ctx_ptr c{ make_buffered_ctx(model, buffer_params(32, 4), GGML_TYPE_KVC4, 2, false) };
         const bool ok = c.ctx && !decode(c.ctx, toks, 0, 64, 64, 1).empty();
@@ -437,7 +437,7 @@ void test_residual_buffer(report & rep, llama_model * model, const std::vector<l
     // A reused prompt (llama-server's prompt cache, llama-cpp-python's prefix reuse): after
     // generating, the cache is cut back to the prompt and its last token decoded again. The
     // window's rows left it during the generation; kept as spares, they are exact again, so
-    // the token sees what a fresh run sees, bit for bit (issue 17: it saw their quantized rows).
+    // the token sees what a fresh run sees, bit for bit (not their quantized rows).
     // The generation takes the free slots first: those beside the prompt's window (31 rows)
     // and sinks. A generation long enough to reuse the spares' slots is reported by
     // llama_kvcomp_seq_rm_exact.
@@ -721,8 +721,8 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
             n_better, n_layers);
     }
     // isolation: a sequence that starts over in an emptied cache computes what it computes in
-    // a fresh context, whatever the cache served before (issue 17: the offset came from the
-    // smoothed statistics of earlier sequences once they had 8 updates)
+    // a fresh context, whatever the cache served before (the offset does not come from the
+    // smoothed statistics of earlier sequences)
     for (const llama_kvcomp_params & p : { trk, buffer_params(32, 4, 32) }) {
         llama_kvcomp_params kp = p;
         kp.tracker = 1;
@@ -737,8 +737,8 @@ void test_tracker(report & rep, llama_model * model, const std::vector<llama_tok
             kp.window);
     }
     // Isolation between streams: a sequence's offset comes from its own first rows, whatever
-    // ubatches bring them (issue 17: a prompt that starts while other slots decode gets a
-    // first ubatch of one token, and it set the offset). Each schedule is held against the
+    // ubatches bring them (a prompt that starts while other slots decode gets a first ubatch
+    // of one token, which does not set the offset alone). Each schedule is held against the
     // lone run; f16 under the same schedules says how far the model itself moves.
     {
         std::vector<llama_token> other(toks.rbegin(), toks.rbegin() + 48);

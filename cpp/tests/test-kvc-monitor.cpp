@@ -1,4 +1,4 @@
-// The monitor when a model's rows are not finite (issue 18): no NaN/Inf reaches its statistics
+// The monitor when a model's rows are not finite: no NaN/Inf reaches its statistics
 // or its exports, it counts what it kept out, and it recovers. Usage: test-kvc-monitor MODEL.gguf
 //
 // Route: one token whose input embedding is NaN, decoded for a second sequence between the

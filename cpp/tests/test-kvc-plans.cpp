@@ -21,10 +21,10 @@
 //  - the same with the residual buffer (window 32, 4 sinks) in front of the kvct cache.
 //
 // The KL bounds are judged on plans fitted to the model. Plans fitted to made-up statistics
-// left the cache's KL to f16 at 0.3-0.7 a token, where a change of the kernels' rounding (an
-// ISA's lane-sum order, an FMA) moved the means past 2x; with the model's own it is
+// leave the cache's KL to f16 at 0.3-0.7 a token, where a change of the kernels' rounding (an
+// ISA's lane-sum order, an FMA) moves the means past 2x; with the model's own it is
 // 1.3-1.9e-2 (1.3-2.5e-3 with the buffer) in portable, AVX2 and AVX-512 builds, and every
-// check held in each of them with room (docs/results.md, nineteenth session).
+// check holds in each of them with room (SmolLM2, AMD EPYC Zen 4).
 //
 // Usage: test-kvc-plans MODEL.gguf KSTATS.gguf
 

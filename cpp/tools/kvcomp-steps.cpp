@@ -1,7 +1,7 @@
-// Per-step decode latency with the residual buffer, for the merge-cost measurement of issue 3:
+// Per-step decode latency with the residual buffer, for the merge-cost measurement:
 // fills the context to a depth, then decodes single tokens and times each step, sorting the
 // steps by whether the buffer ran a merge pass in them, with the monitor's per-token work
-// inside each step (issue 5's overhead measurement). Prints one JSON object.
+// inside each step (its overhead). Prints one JSON object.
 //
 // Usage: llama-kvcomp-steps -m MODEL -c CTX -n N_GEN [--ops] [-ctk T -ctv T -fa on -t N --kv-comp-...]
 // The context is filled to CTX - N_GEN - 1 tokens first. Common flags apply as in llama-cli.
