@@ -1,16 +1,14 @@
 """llama-cpp-python on the kvcomp build: a Llama with a mode, its configuration, run-time mode
 switches and the monitor's snapshot (python/README.md).
 
-llama-cpp-python is installed without its own native build and loads the libraries of
-scripts/build.sh (LLAMA_CPP_LIB_PATH), so one patched tree serves the tools and Python.
+llama_cpp (llama-cpp-python's package, which the wheel carries) loads the libraries of
+paths.bin_dir(), so one patched tree serves the tools and Python.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,18 +50,17 @@ class StateError(RuntimeError):
 
 
 def import_llama_cpp() -> Any:
-    """llama_cpp, bound to the kvcomp build's libllama."""
-    want = str(bin_dir())
-    if "llama_cpp" in sys.modules:
-        if os.environ.get("LLAMA_CPP_LIB_PATH") != want:
-            raise RuntimeError("llama_cpp was imported before ggml_kvcomp set LLAMA_CPP_LIB_PATH; import "
-                               "ggml_kvcomp.llm first, or set LLAMA_CPP_LIB_PATH=" + want)
-        return sys.modules["llama_cpp"]
-    if not (Path(want) / "libllama.so").exists():
-        raise FileNotFoundError(f"{want}/libllama.so not found: build first with scripts/build.sh")
-    os.environ["LLAMA_CPP_LIB_PATH"] = want
+    """llama_cpp, bound to the kvcomp build's libllama (importing ggml_kvcomp pointed it there)."""
+    want = bin_dir()
+    if not (want / "libllama.so").exists():
+        raise FileNotFoundError(f"{want}/libllama.so not found: build first with scripts/build.sh, or pip install "
+                                "the package with its native build (python/README.md)")
     import llama_cpp
 
+    loaded = Path(llama_cpp.llama_cpp._lib._name).resolve()
+    if loaded != (want / "libllama.so").resolve():
+        raise RuntimeError(f"llama_cpp loaded {loaded}, not {want}/libllama.so: import ggml_kvcomp before "
+                           "llama_cpp, or set KVCOMP_BIN_DIR to the folder llama_cpp loads from")
     return llama_cpp
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: builds (reusing the cached build), compiles the CUDA sources (no GPU
 # needed, scripts/cuda-compile.sh), prepares a virtualenv with the test tools, then runs lint,
-# type checks and the pytest suite, which also runs the C++ tests.
+# type checks and the pytest suite, which also runs the C++ tests; last, pip-installs the clone
+# into a fresh virtualenv and runs the Python API tests there (scripts/wheel-check.sh).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -19,3 +20,7 @@ tail -n 1 "$cuda_log"
 "$venv/bin/ruff" check ggml_kvcomp tests scripts
 "$venv/bin/mypy"
 "$venv/bin/pytest" -v "$@"
+wheel_log=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}/wheel-check.log
+echo "pip-installing the clone into a fresh virtualenv and testing it (log: $wheel_log) ..."
+scripts/wheel-check.sh -q >"$wheel_log" 2>&1 || { tail -n 60 "$wheel_log"; echo "wheel check failed, see $wheel_log" >&2; exit 1; }
+tail -n 1 "$wheel_log"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# pip-installs this clone into a fresh virtualenv (the wheel's own native build, python/README.md)
+# and runs the Python API tests against that install, with no KVCOMP_BIN_DIR and no checkout on
+# sys.path. The wheel's build folder lives beside scripts/build.sh's in $KVCOMP_CACHE, so it is
+# kept between runs and a first build takes its objects from the same ccache.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+cache=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}
+
+sdist=$(python3 "$root/scripts/prepare_upstream.py")
+key=$(basename "$(dirname "$sdist")")
+build="$cache/wheel-${key#upstream-}"
+# A build folder configured from another clone is reconfigured (ccache keeps the objects).
+if [ -f "$build/CMakeCache.txt" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$root" "$build/CMakeCache.txt"; then
+    rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
+fi
+
+# the same ccache settings as scripts/build.sh, and a folder at the same depth, so that the
+# compiler command lines match its objects
+export CCACHE_DIR=${CCACHE_DIR:-$cache/ccache}
+export CCACHE_BASEDIR=$root
+export CCACHE_NOHASHDIR=1
+export CMAKE_BUILD_PARALLEL_LEVEL=${KVCOMP_JOBS:-2}
+unset KVCOMP_BIN_DIR LLAMA_CPP_LIB_PATH MTMD_CPP_LIB
+
+venv="$cache/wheel-venv"
+python3 -m venv --clear "$venv"
+"$venv/bin/pip" install --quiet --upgrade pip
+"$venv/bin/pip" install --quiet --config-settings=build-dir="$build" "$root[test]"
+
+# --import-mode=importlib keeps the clone off sys.path: ggml_kvcomp comes from the install
+"$venv/bin/pytest" -p no:cacheprovider --import-mode=importlib tests/test_wheel.py tests/test_python_api.py "$@"
