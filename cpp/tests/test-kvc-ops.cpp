@@ -295,6 +295,58 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_s
         sh.name, ggml_type_name(tk), ggml_type_name(tv), d, e_f32, bound);
 }
 
+// A cell no query sees (another sequence's, in a unified cache) may hold non-finite values of
+// a float V type: the output must equal, bit for bit, the one with those cells zeroed, and stay
+// finite. Every seventh cell is masked for every row; those cells' V rows are NaN and Inf.
+void test_flash_attn_unseen_nonfinite(report & rep, ggml_type tv, int d, const fa_shape & sh, bool use_ref) {
+    const int n_q = sh.n_q, n_kv = sh.n_kv, n_head = sh.n_head, n_head_kv = sh.n_head_kv;
+    const auto q = make_rows(dist::gaussian, n_head * n_q, d, 41 + d);
+    const auto k = make_rows(dist::gaussian, n_head_kv * n_kv, d, 42 + d);
+    std::vector<float> mask((size_t) n_q * n_kv, 0.0f);
+    for (int iq = 0; iq < n_q; ++iq) {
+        for (int j = 0; j < n_kv; ++j) {
+            if (j % 7 == 3 || j > n_kv - n_q + iq) {
+                mask[(size_t) iq * n_kv + j] = -INFINITY;
+            }
+        }
+    }
+    std::vector<float> out[2];
+    for (int bad = 0; bad < 2; ++bad) {
+        auto v = make_rows(dist::gaussian, n_head_kv * n_kv, d, 43 + d);
+        for (int hk = 0; hk < n_head_kv; ++hk) {
+            for (int j = 3; j < n_kv; j += 7) {
+                float * row = &v[((size_t) hk * n_kv + j) * d];
+                std::fill(row, row + d, 0.0f);
+                if (bad) {
+                    row[j % d] = NAN;
+                    row[(j + 1) % d] = j % 2 ? INFINITY : -INFINITY;
+                }
+            }
+        }
+        graph_ctx g(256 * 1024 * 1024);
+        ggml_tensor * tq = ggml_new_tensor_3d(g.ctx, GGML_TYPE_F32, d, n_q, n_head);
+        ggml_tensor * tkf = ggml_new_tensor_3d(g.ctx, GGML_TYPE_F32, d, n_kv, n_head_kv);
+        ggml_tensor * tvf = ggml_new_tensor_3d(g.ctx, GGML_TYPE_F32, d, n_kv, n_head_kv);
+        ggml_tensor * tm = ggml_new_tensor_2d(g.ctx, GGML_TYPE_F16, n_kv, n_q);
+        fill(tq, q);
+        fill(tkf, k);
+        fill(tvf, v);
+        for (size_t i = 0; i < mask.size(); ++i) {
+            ((ggml_fp16_t *) tm->data)[i] = ggml_fp32_to_fp16(mask[i]);
+        }
+        ggml_tensor * kq = ggml_cpy(g.ctx, tkf, ggml_new_tensor_3d(g.ctx, GGML_TYPE_KVC4, d, n_kv, n_head_kv));
+        ggml_tensor * vq = tv == GGML_TYPE_F32 ? tvf : ggml_cpy(g.ctx, tvf, ggml_new_tensor_3d(g.ctx, tv, d, n_kv, n_head_kv));
+        ggml_tensor * res = flash_attn(g, tq, kq, vq, tm, 1.0f / std::sqrt((float) d), 0.0f, nullptr);
+        g.compute(res, sh.n_threads, use_ref);
+        out[bad].assign((float *) res->data, (float *) res->data + (size_t) d * n_head * n_q);
+    }
+    const bool finite = std::all_of(out[1].begin(), out[1].end(), [](float x) { return std::isfinite(x); });
+    const bool same = memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)) == 0;
+    rep.check(finite && same, "FLASH_ATTN_EXT %s K=kvc4 V=%s d=%3d%s: NaN/Inf in cells no row sees change nothing (%s)",
+              sh.name, ggml_type_name(tv), d, use_ref ? " (scalar reference)" : "",
+              !finite ? "output not finite" : same ? "bit-identical" : "output differs");
+}
+
 // Two-source attention: main cells of a kvc type and exact F16 rows (slots, then the ubatch's
 // rows) under one softmax and one mask whose columns are [main ; exact]; the reference attends
 // the concatenation of the dequantized main rows and the F16-rounded exact rows in double.
@@ -674,6 +726,13 @@ int main() {
         test_flash_attn_exact(rep, GGML_TYPE_KVC4, GGML_TYPE_F16, d, FA_EXACT[3]);
     }
     test_exact_support(rep);
+    for (ggml_type tv : { GGML_TYPE_F16, GGML_TYPE_F32 }) {
+        for (const fa_shape & sh : { FA_DECODE, FA_PREFILL_BLOCKS }) {
+            for (bool use_ref : { false, true }) {
+                test_flash_attn_unseen_nonfinite(rep, tv, 128, sh, use_ref);
+            }
+        }
+    }
     for (int n_planes : { 1, 2 }) {
         for (bool first_collects : { false, true }) {
             for (int stride : { 1, 2 }) {

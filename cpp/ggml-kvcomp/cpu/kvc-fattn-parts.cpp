@@ -259,17 +259,29 @@ void main_values(const fa_node & a, fa_rows & rows, const float * sc, int64_t ld
                 }
             }
         }
+        // A key no row sees adds a zero row: its cell may hold another sequence's non-finite
+        // values, which a zero weight would still turn into NaN in simd_gemm's products.
         const int64_t j0 = t * TK;
-        const float * Vt = rows.V32;
-        if (sh.v && W == a.DV) {
-            Vt = sh.v_tile(rows.s / V.r3, rows.hk, j0);
-        } else {
-            const int nk = (int) std::min(TK, V.n - j0);
-            for (int c = 0; c < nk; ++c) {
-                v_to_f32(V.row(j0 + c, rows.hk, rows.s) + off, rows.V32 + c * W, W);
+        const int     nk = (int) std::min(TK, V.n - j0);
+        bool seen[KVC_FA_TILE_KV];
+        bool all_seen = true;
+        for (int c = 0; c < TK; ++c) {
+            seen[c] = false;
+            for (int r = 0; r < R && c < nk && !seen[c]; ++r) {
+                seen[c] = sc[(t * ld + r) * TK + c] != -INFINITY;
             }
-            if (nk < TK) {
-                memset(rows.V32 + nk * W, 0, (size_t) (TK - nk) * W * sizeof(float));
+            all_seen = all_seen && (seen[c] || c >= nk);
+        }
+        const float * vs = sh.v && W == a.DV ? sh.v_tile(rows.s / V.r3, rows.hk, j0) : nullptr;
+        const float * Vt = vs && all_seen ? vs : rows.V32;
+        for (int c = 0; c < TK && Vt == rows.V32; ++c) {
+            float * vt = rows.V32 + c * W;
+            if (!seen[c]) {
+                memset(vt, 0, W * sizeof(float));
+            } else if (vs) {
+                memcpy(vt, vs + c * W, W * sizeof(float));
+            } else {
+                v_to_f32(V.row(j0 + c, rows.hk, rows.s) + off, vt, W);
             }
         }
         gemm_f32(acc, p, Vt, R, (int) TK, (int) W, a.ref);

@@ -98,6 +98,7 @@ void fa_decode(const ggml_compute_params * params, const fa_node & a) {
     const auto part = [&](const fa_rows & rows, int r, int64_t which) {
         return parts + ((rows.s * a.n_head + rows.head(r)) * 2 + which) * pl.part_size;
     };
+    const auto unit_sc = [&](int64_t u) { return sc + u * pl.n_t * pl.gh * KVC_FA_TILE_KV; };
     const auto row_max = [&](int64_t u, float * M) {
         for (int64_t r = 0; r < pl.gh; ++r) {
             M[r] = -INFINITY;
@@ -113,8 +114,7 @@ void fa_decode(const ggml_compute_params * params, const fa_node & a) {
         if (g < pl.n_seg) {
             float * M = seg_max + (u * pl.n_seg + g) * pl.gh;
             std::fill(M, M + pl.gh, -INFINITY);
-            main_scores(a, rows, g * pl.tps, std::min(pl.n_t, (g + 1) * pl.tps), none, sc + u * pl.n_t * pl.gh * KVC_FA_TILE_KV,
-                        pl.gh, M);
+            main_scores(a, rows, g * pl.tps, std::min(pl.n_t, (g + 1) * pl.tps), none, unit_sc(u), pl.gh, M);
         } else {
             exact_part(a, rows);
             for (int r = 0; r < rows.n(); ++r) {
@@ -134,8 +134,7 @@ void fa_decode(const ggml_compute_params * params, const fa_node & a) {
         float M[KVC_FA_TILE_Q];
         row_max(u, M);
         rows.reset(pl.W);
-        main_values(a, rows, sc + u * pl.n_t * pl.gh * KVC_FA_TILE_KV, pl.gh, M, l * pl.W, pl.W, rows.VKQ,
-                    l == 0 ? rows.S : nullptr, none);
+        main_values(a, rows, unit_sc(u), pl.gh, M, l * pl.W, pl.W, rows.VKQ, l == 0 ? rows.S : nullptr, none);
         for (int r = 0; r < R; ++r) {
             float * d = part(rows, r, 0);
             if (l == 0) {
