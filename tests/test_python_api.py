@@ -101,9 +101,9 @@ def test_mode_switch_and_snapshot(model: Path) -> None:
 
 @pytest.mark.parametrize("knobs", [{"sinks": 1, "window": 0}, {"window": 4}, {"window": 8, "sinks": 2}])
 def test_f16_cache_is_exact_with_any_buffer(model: Path, knobs: dict[str, float]) -> None:
-    """Issue 17's reproduction: an f16 cache of 128 positions, a 7-token prompt through
-    Llama.eval and then one token per step; nothing is quantized, so every buffer setting
-    must give the plain cache's logits exactly (they moved by up to 1.06)."""
+    """An f16 cache of 128 positions, a 7-token prompt through Llama.eval and then one token
+    per step; nothing is quantized, so every buffer setting must give the plain cache's
+    logits exactly."""
     def run(buffered: bool) -> np.ndarray:
         m = llm.new_llama(model, "f16", "f16", n_ctx=128)
         if buffered:
