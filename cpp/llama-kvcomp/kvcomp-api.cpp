@@ -2,6 +2,7 @@
 
 #include "kvcomp-buffer.h"
 #include "kvcomp-monitor.h"
+#include "kvcomp-monitor-source.h"
 #include "kvcomp-state.h"
 #include "llama-kvcomp.h"
 
@@ -205,7 +206,7 @@ int32_t llama_kvcomp_configure(llama_context * ctx, const llama_kvcomp_params * 
             return rc;
         }
         if (kv->kvcomp) {
-            kv->kvcomp->monitor = monitor;
+            kv->kvcomp->on_ubatch = [monitor](const llama_kv_cache & c) { monitor->on_ubatch(c); };
         }
     }
     return 0;

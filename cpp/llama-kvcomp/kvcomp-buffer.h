@@ -11,7 +11,6 @@
 // decoding see the same keys.
 
 #include "kvcomp-layers.h"
-#include "kvcomp-monitor.h"
 #include "kvcomp-plans.h"
 #include "kvcomp-storage.h"
 #include "kvcomp-tracker.h"
@@ -49,8 +48,9 @@ struct llama_kvcomp_buffer {
     // the types most layers have (a per-layer rule or profile gives some layers others)
     static void cache_types(const llama_kv_cache & kv, ggml_type & type_k, ggml_type & type_v);
 
-    // the context's monitor (kvcomp-monitor.h), told of every ubatch of this cache
-    std::shared_ptr<llama_kvcomp_monitor> monitor;
+    // told of every ubatch this cache places, before the tracker sets it up: the C API connects
+    // the context's monitor here (kvcomp-monitor-source.h)
+    std::function<void(const llama_kv_cache &)> on_ubatch;
 
     // the plans of a kvct K cache (kvcomp-plans.h), kept by every later configuration
     std::shared_ptr<llama_kvcomp_plans> plans;

@@ -3,11 +3,9 @@
 
 #include "kvcomp-monitor.h"
 
-#include "kvcomp-buffer.h"
-#include "kvcomp-tracker.h"
+#include "kvcomp-monitor-source.h"
 
 #include "llama-impl.h"
-#include "llama-kv-cache.h"
 
 #include <algorithm>
 #include <cinttypes>
@@ -67,17 +65,17 @@ void llama_kvcomp_monitor::refresh() {
     std::vector<size_t> untracked; // heads whose layer no tracker follows
     const auto caches = llama_kvcomp_caches(ctx);
     for (llama_kv_cache * kv : caches) {
-        if (!kv->kvcomp) {
+        llama_kvcomp_stats st = {};
+        if (!llama_kvcomp_source_stats(*kv, st)) {
             continue;
         }
-        const llama_kvcomp_stats st = kv->kvcomp->get_stats();
         snap.n_slots    += st.n_slots;
         snap.n_used     += st.n_used;
         snap.n_pinned   += st.n_pinned;
         snap.n_merges   += st.n_merges;
         snap.n_released += st.n_released;
         const size_t first = heads.size();
-        kv->kvcomp->head_snapshots(*kv, heads);
+        llama_kvcomp_source_heads(*kv, heads);
         // The scales of every KV head come from the tracker's own per-head values: the rows
         // the buffer makes take them from llama_kvcomp_layer_stats, which holds the first
         // LLAMA_KVCOMP_MAX_HEADS heads only.
@@ -87,10 +85,10 @@ void llama_kvcomp_monitor::refresh() {
             llama_kvcomp_head_snapshot & hs = heads[i];
             if (hs.il != il_cur) {
                 il_cur = hs.il;
-                tr = llama_kvcomp_tracker::of_layer(kv->get_k_storage(hs.il), ib);
+                tr = llama_kvcomp_source_tracker(*kv, hs.il, ib);
             }
             if (tr) {
-                tr->get_head_scales(ib, hs.head, hs.k_scale, hs.v_scale);
+                llama_kvcomp_source_head_scales(*tr, ib, hs.head, hs.k_scale, hs.v_scale);
             } else {
                 untracked.push_back(i);
             }
@@ -141,17 +139,14 @@ void llama_kvcomp_monitor::refresh() {
 
 void llama_kvcomp_monitor::count_tracker_nonfinite(const std::vector<llama_kv_cache *> & caches) {
     for (llama_kv_cache * kv : caches) {
-        const std::vector<uint32_t> ids = kv->get_layer_ids();
-        int32_t ib = -1;
-        const llama_kvcomp_tracker * tr = !kv->kvcomp || ids.empty() ? nullptr :
-                llama_kvcomp_tracker::of_layer(kv->get_k_storage((int32_t) ids[0]), ib);
+        const llama_kvcomp_tracker * tr = llama_kvcomp_source_tracker(*kv);
         if (!tr) {
             continue;
         }
         // a tracker's count only grows; one seen for the first time (or made at the address
         // of a freed one) adds all of its count
         int64_t & seen = tracker_nonfinite_seen[tr];
-        const int64_t n = tr->n_nonfinite();
+        const int64_t n = llama_kvcomp_source_n_nonfinite(*tr);
         n_nonfinite_trackers += n >= seen ? n - seen : n;
         seen = n;
     }

@@ -1,9 +1,10 @@
 #pragma once
 
 // The monitor of one context (docs/monitoring.md): it gathers per layer/head metrics from the
-// caches' buffers and trackers every `refresh` ubatches, keeps the perplexity windows of the
-// sequences it is told about, steps the mode down the ladder when they stay above baseline,
-// and publishes a snapshot that any thread may read (the HTTP threads of llama-server).
+// caches' buffers and trackers (read through kvcomp-monitor-source.h) every `refresh` ubatches,
+// keeps the perplexity windows of the sequences it is told about, steps the mode down the
+// ladder when they stay above baseline, and publishes a snapshot that any thread may read (the
+// HTTP threads of llama-server).
 
 #include "llama-kvcomp.h"
 
@@ -16,9 +17,6 @@
 
 class llama_kv_cache;
 struct llama_context;
-
-// the transformer caches of a context: one, or two for a sliding-window model
-std::vector<llama_kv_cache *> llama_kvcomp_caches(llama_context * ctx);
 
 struct llama_kvcomp_monitor {
     explicit llama_kvcomp_monitor(llama_context * ctx) : ctx(ctx) {}
