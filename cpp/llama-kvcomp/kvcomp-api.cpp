@@ -33,7 +33,7 @@ struct kvcomp_mode_row {
     int32_t      k_layers;     // the per-layer K rule with them (llama_kvcomp_k_layers)
 };
 
-// The one mode table. Why each number: docs/reference.md, "Modes and the scale tracker", and docs/results.md.
+// The one mode table. Why each number: docs/reference.md, "Modes and the scale tracker".
 constexpr kvcomp_mode_row KVCOMP_MODES[] = {
     // name              K               V               W    S   N   pin   budget tracker  K with statistics, its layers
     { "off",            GGML_TYPE_F16,  GGML_TYPE_F16,    0,  0,  1, 0.0f,  1.0f,  0,     GGML_TYPE_F16,   LLAMA_KVCOMP_K_LAYERS_SAME },

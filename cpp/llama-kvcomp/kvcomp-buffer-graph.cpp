@@ -134,8 +134,8 @@ ggml_tensor * llama_kvcomp_buffer::get(ggml_context * ctx0, ggml_tensor * main_v
     cur     = nullptr;
 
     if (device) {
-        // Device caches: until the GPU kernels read the exact rows as their own sources
-        // (issue 21), attention reads an F16 copy of the main cells joined to them, taken
+        // Device caches: the GPU kernels do not read the exact rows as their own sources, so
+        // attention reads an F16 copy of the main cells joined to them, taken
         // after the slot write. (A cache on an rpc-server of this build on the CPU is read as
         // in host memory, by the server.)
         ggml_tensor * all = ggml_concat(ctx0, ggml_cast(ctx0, main_view, GGML_TYPE_F16), exact, 2);

@@ -36,8 +36,8 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     // then takes the slot of a row that only its own ubatch's queries still see exactly, and
     // W + S + N - 1 slots per sequence take any split of a prompt. Not when outliers are
     // measured (every row waits a ubatch in a slot of its own), when later layers read this
-    // cache's slots (they attend after the write), or on a device cache (attention reads a
-    // copy that the write precedes until the device kernels read the slots, issue 21).
+    // cache's slots (they attend after the write), or on a device cache (attention there
+    // reads a copy that the write precedes, the device kernels not reading the slots).
     bool host = true;
     for (const auto & l : kv.layers) {
         host = host && ggml_kvcomp_buffer_cpu_kernels(l.k->buffer) && ggml_kvcomp_buffer_cpu_kernels(l.v->buffer);
@@ -431,13 +431,13 @@ void llama_kvcomp_check_device(ggml_backend_dev_t dev, int32_t il, ggml_type typ
     }
     // (the plans are fitted later, but the context's first graph already places the rows' writes)
     // kvct: the CUDA backend has kernels for its nodes, but they have not run on a GPU yet, and
-    // a device cache's residual buffer writes its rows in another order (issue 21)
+    // a device cache's residual buffer writes its rows in another order
     for (const ggml_type t : { type_k, type_v }) {
         if ((ggml_kvcomp_is_cpu_only(t) || ggml_kvcomp_is_kvct(t)) && !ggml_kvcomp_dev_cpu_kernels(dev)) {
             throw std::runtime_error(std::string("kvcomp: the KV cache of layer ") + std::to_string(il) + " would live on " +
                                      ggml_backend_dev_name(dev) + " (" + ggml_backend_dev_description(dev) + "): " +
                                      ggml_type_name(t) + " caches run on the CPU backend for now, here or on an "
-                                     "rpc-server of this build (issue 21): keep the KV cache in host memory (--no-kv-offload)");
+                                     "rpc-server of this build: keep the KV cache in host memory (--no-kv-offload)");
         }
     }
 }

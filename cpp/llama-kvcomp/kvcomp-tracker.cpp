@@ -132,7 +132,7 @@ llama_kvcomp_tracker::llama_kvcomp_tracker(const std::vector<layer_desc> & descs
 }
 
 llama_kvcomp_tracker::~llama_kvcomp_tracker() {
-    // the tracker's measurement of the whole run, for `kvcomp kld` (docs/results.md)
+    // the tracker's measurement of the whole run, for `kvcomp kld`
     double err = 0.0, err_plain = 0.0, energy = 0.0;
     int64_t n_rows = 0, n_values = 0;
     for (const auto & l : layers) {

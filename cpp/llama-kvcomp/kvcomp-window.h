@@ -7,9 +7,9 @@
 //
 // It keeps them per group of n_group consecutive updates, the quantiles being asked for when
 // a group is complete: a decode step updates a few KiB that stay in cache, and the quantiles
-// read n_window / n_group groups, not every update's values. Kept per update, they were read
-// from memory after the model's weights went through the cache, a tenth of a small model's
-// decode step (docs/results.md).
+// read n_window / n_group groups, not every update's values. Kept per update, they would be
+// read from memory after the model's weights went through the cache: a tenth of a small
+// model's decode step.
 
 #include <cstddef>
 #include <cstdint>

@@ -48,7 +48,7 @@ LLAMA_API int32_t llama_kvcomp_mode_preset(int32_t mode, struct llama_kvcomp_par
 
 // The K cache type a mode takes when the model's K statistics are given (--kv-comp-kstats,
 // llama_kvcomp_set_k_stats): kvct4 for low-latency and balanced, whose K then has about a
-// fifth of kvc4's error at the same bits (docs/results.md); the preset's K for the others.
+// fifth of kvc4's error at the same bits (docs/formats.md, "kvct"); the preset's K for the others.
 // -1 for an unknown mode.
 LLAMA_API int32_t llama_kvcomp_mode_type_k_stats(int32_t mode);
 
