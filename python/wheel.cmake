@@ -1,8 +1,7 @@
 # What a pip wheel holds (pyproject.toml builds target kvcomp-wheel and installs component
 # kvcomp only, so upstream's own install rules stay out): the pinned sdist's llama_cpp
 # package, and in its lib folder, where llama_cpp loads libllama from, every shared library
-# of this build and the tools, found through an $ORIGIN rpath, and the C headers beside it
-# in llama_cpp/include (python/README.md).
+# of this build and the tools, found through an $ORIGIN rpath (python/README.md).
 
 option(KVCOMP_NATIVE "kvcomp: build the libraries and tools into the wheel; OFF: Python packages only" ON)
 
@@ -48,8 +47,7 @@ function(kvcomp_wheel_native)
     set_property(TARGET ${libs} PROPERTY SOVERSION)
     set_target_properties(${targets} PROPERTIES INSTALL_RPATH "$ORIGIN")
     install(TARGETS ${targets} COMPONENT kvcomp
-            LIBRARY DESTINATION llama_cpp/lib RUNTIME DESTINATION llama_cpp/lib
-            PUBLIC_HEADER DESTINATION llama_cpp/include PRIVATE_HEADER DESTINATION llama_cpp/include)
+            LIBRARY DESTINATION llama_cpp/lib RUNTIME DESTINATION llama_cpp/lib)
 endfunction()
 
 if (KVCOMP_NATIVE)

@@ -16,8 +16,10 @@ if [ -f "$build/CMakeCache.txt" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$
     rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
 fi
 
-# the same ccache settings as scripts/build.sh, and a folder at the same depth, so that the
-# compiler command lines match its objects
+# the same ccache settings as scripts/build.sh, its compilers (CMake's default cc and c++, where
+# scikit-build-core would name gcc and g++) and a folder at the same depth, so that the compiler
+# command lines match its objects
+export CC=${CC:-cc} CXX=${CXX:-c++}
 export CCACHE_DIR=${CCACHE_DIR:-$cache/ccache}
 export CCACHE_BASEDIR=$root
 export CCACHE_NOHASHDIR=1
