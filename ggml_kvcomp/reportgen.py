@@ -66,10 +66,15 @@ def _full_ctx(model: str) -> int:
     return MODELS[model].ctx_train
 
 
+def _kld(row: dict[str, Any]) -> str:
+    """A mean KLD to six places; f16 against itself comes out as a rounding's -0.000000."""
+    return f"{max(float(row['kld_mean']), 0.0):.6f}"
+
+
 def quality_table(rows: Sequence[dict[str, Any]], ctx_full: int) -> str:
     out = [f"| K/V | bpe | bpe at {ctx_full} | mean KLD | KLD p99 | same top p | PPL ratio |",
            "|---|---:|---:|---:|---:|---:|---:|"]
-    out += [f"| {r['label']} | {r['bpe']:.2f} | {r['bpe_full']:.2f} | {r['kld_mean']:.6f} ± {r['kld_mean_err']:.6f} "
+    out += [f"| {r['label']} | {r['bpe']:.2f} | {r['bpe_full']:.2f} | {_kld(r)} ± {r['kld_mean_err']:.6f} "
             f"| {r['kld_p99']:.5f} | {r['same_top_p']:.2f}% | {r['ppl_ratio']:.5f} |" for r in rows]
     return "\n".join(out)
 
@@ -96,7 +101,7 @@ def long_table(kld: dict[int, Record], needle: dict[int, Record]) -> str:
         cells = []
         for c in (c for c in ctxs if c in kld):
             row = next((r for r in kld[c].rows if r["label"] == label), None)
-            cells.append(f"{row['kld_mean']:.6f}" if row else NONE)
+            cells.append(_kld(row) if row else NONE)
         cells += [_needle_cell(needle[c].rows, label) for c in ctxs if c in needle]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -194,7 +199,7 @@ def mode_table(records: dict[str, Record]) -> str:
     for name, label, cache, when in MODES:
         row = _row(smol, label)
         bits = [f"{bpe_at(row, c, full):.2f}" if row else NONE for c in (8192, 32768)]
-        klds = [f"{r['kld_mean']:.6f}" if r else NONE for r in (row, _row(gemma, label))]
+        klds = [_kld(r) if r else NONE for r in (row, _row(gemma, label))]
         ts, base = sp.get((label, README_DEPTH, False)), sp.get(("f16", README_DEPTH, False))
         ratio = f"{ts / base:.2f}x" if ts and base else NONE
         out.append(f"| {name} | {cache} | {bits[0]} | {bits[1]} | {klds[0]} | {klds[1]} | {ratio} | {when} |")

@@ -169,11 +169,13 @@ def test_python_with_kstats_none_keeps_the_plain_k_type(model: Path, tmp_path: P
 
 
 def test_the_measuring_run_is_not_counted_as_a_cache() -> None:
-    # the library's own run logs a KV cache of its own between its progress line and the result
+    # the library's own run logs a KV cache of its own after its first line and before the
+    # result, in the order a first use logs them (the context exists before the progress line)
     main = ("llama_kv_cache: size =   45.00 MiB (  2048 cells,  30 layers,  1/1 seqs)\n"
             "kvcomp: KV memory: main cache 45.00 MiB (4.30 bpe), residual buffer 0.00 MiB\n")
-    measuring = ("kvcomp: measuring the model's K statistics on the built-in text (once per model) \n"
-                 "llama_kv_cache: size =   30.00 MiB (   512 cells,  30 layers,  1/1 seqs)\n.......... done\n"
+    measuring = ("kvcomp: measuring the model's K statistics in a context of its own (512 cells)\n"
+                 "llama_kv_cache: size =   30.00 MiB (   512 cells,  30 layers,  1/1 seqs)\n"
+                 "kvcomp: measuring the model's K statistics on the built-in text (once per model) .......... done\n"
                  "kvcomp: K statistics: measured on the built-in text (2029 tokens, 4.9 s), cached in x\n")
     with_buffer = "kvcomp: KV memory: main cache 45.00 MiB (4.30 bpe), residual buffer 2.50 MiB\n"
     plain = main + "kvcomp: K statistics: read from the cache\n" + with_buffer

@@ -361,6 +361,9 @@ int32_t llama_kvcomp_measure_k_stats(llama_model * model, const llama_token * to
     cp.cb_eval = calib_eval_cb;
     cp.cb_eval_user_data = &st;
     cp.no_perf = true;
+    // before the context's own lines (its KV cache's size), so that a log reader can tell
+    // them from those of the context that asked for the statistics
+    LLAMA_LOG_INFO("kvcomp: measuring the model's K statistics in a context of its own (%d cells)\n", n_chunk);
     llama_context * ctx = llama_init_from_model(model, cp);
     if (!ctx) {
         return llama_kvcomp_fail(-1, "K statistics: the measuring context could not be created");
