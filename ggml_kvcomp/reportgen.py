@@ -68,7 +68,8 @@ def _full_ctx(model: str) -> int:
 
 def _kld(row: dict[str, Any]) -> str:
     """A mean KLD to six places; f16 against itself comes out as a rounding's -0.000000."""
-    return f"{max(float(row['kld_mean']), 0.0):.6f}"
+    kld = float(row["kld_mean"])
+    return f"{kld if kld > 0 else 0.0:.6f}"
 
 
 def quality_table(rows: Sequence[dict[str, Any]], ctx_full: int) -> str:
