@@ -22,7 +22,7 @@ def kld_table(results: Sequence[KldResult]) -> str:
         rows.append(
             f"| {r.label} | {r.bpe_k:.2f} | {r.bpe_v:.2f} | {r.bpe_buffer:.2f} | {r.bpe:.2f} | {r.bpe_full:.2f} "
             f"| {r.ppl:.4f} | {r.ppl_ratio:.5f} "
-            f"| {r.kld_mean:.6f} ± {r.kld_mean_err:.6f} | {r.kld_p99:.5f} | {r.same_top_p:.2f}% "
+            f"| {max(r.kld_mean, 0.0) + 0.0:.6f} ± {r.kld_mean_err:.6f} | {r.kld_p99:.5f} | {r.same_top_p:.2f}% "
             + (f"| {r.k_rmse:.4f} / {r.k_rmse_offset:.4f} / {r.k_rmse_plain:.4f} " if r.k_rmse_plain > 0 else "| - ")
             + f"| {r.kv_mib_full:.1f} |" + tf
         )
