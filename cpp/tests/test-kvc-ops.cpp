@@ -42,9 +42,14 @@ double fa_bound(ggml_type t, bool decode = false) {
     }
 }
 
+// an F32 leaf, or an F16 one (masks) rounded from v
 void fill(ggml_tensor * t, const std::vector<float> & v) {
-    GGML_ASSERT(t->type == GGML_TYPE_F32 && ggml_nelements(t) == (int64_t) v.size());
-    memcpy(t->data, v.data(), ggml_nbytes(t));
+    GGML_ASSERT((t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16) && ggml_nelements(t) == (int64_t) v.size());
+    if (t->type == GGML_TYPE_F16) {
+        ggml_fp32_to_fp16_row(v.data(), (ggml_fp16_t *) t->data, (int64_t) v.size());
+    } else {
+        memcpy(t->data, v.data(), ggml_nbytes(t));
+    }
 }
 
 // SET_ROWS splits the blocks of all rows over the threads (kvc-set-rows.c): one row over 3
@@ -264,9 +269,7 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_s
     fill(tq, q);
     fill(tkf, k);
     fill(tvf, v);
-    for (size_t i = 0; i < mask.size(); ++i) {
-        ((ggml_fp16_t *) tm->data)[i] = ggml_fp32_to_fp16(mask[i]);
-    }
+    fill(tm, mask);
 
     ggml_tensor * kq = ggml_cpy(g.ctx, tkf, ggml_new_tensor_3d(g.ctx, tk, d, n_kv, n_head_kv));
     ggml_tensor * vq = ggml_cpy(g.ctx, tvf, ggml_new_tensor_3d(g.ctx, tv, d, n_kv, n_head_kv));
@@ -331,9 +334,7 @@ void test_flash_attn_unseen_nonfinite(report & rep, ggml_type tv, int d, const f
         fill(tq, q);
         fill(tkf, k);
         fill(tvf, v);
-        for (size_t i = 0; i < mask.size(); ++i) {
-            ((ggml_fp16_t *) tm->data)[i] = ggml_fp32_to_fp16(mask[i]);
-        }
+        fill(tm, mask);
         ggml_tensor * kq = ggml_cpy(g.ctx, tkf, ggml_new_tensor_3d(g.ctx, GGML_TYPE_KVC4, d, n_kv, n_head_kv));
         ggml_tensor * vq = tv == GGML_TYPE_F32 ? tvf : ggml_cpy(g.ctx, tvf, ggml_new_tensor_3d(g.ctx, tv, d, n_kv, n_head_kv));
         ggml_tensor * res = flash_attn(g, tq, kq, vq, tm, 1.0f / std::sqrt((float) d), 0.0f, nullptr);
@@ -408,9 +409,7 @@ void test_flash_attn_exact(report & rep, ggml_type tk, ggml_type tv, int d, cons
     ggml_tensor * tm = nullptr;
     if (sh.mask) {
         tm = ggml_new_tensor_4d(g.ctx, GGML_TYPE_F16, n_keys, n_q, 1, ns);
-        for (size_t i = 0; i < mask.size(); ++i) {
-            ((ggml_fp16_t *) tm->data)[i] = ggml_fp32_to_fp16(mask[i]);
-        }
+        fill(tm, mask);
     }
 
     ggml_tensor * kq = ggml_cpy(g.ctx, tkm, ggml_new_tensor_4d(g.ctx, tk, d, n_main, n_head_kv, ns));
