@@ -35,14 +35,25 @@ def ppl_table(results: Sequence[KldResult]) -> str:
     return "\n".join(rows)
 
 
+def marked(text: str, name: str) -> str | None:
+    """The block between <!-- name:begin --> and <!-- name:end -->, markers included."""
+    m = re.search(rf"<!-- {re.escape(name)}:begin -->.*?<!-- {re.escape(name)}:end -->", text, re.DOTALL)
+    return m.group(0) if m else None
+
+
+def replace_block(text: str, name: str, body: str, append: bool = False) -> str:
+    """text with its <!-- name:begin/end --> block holding body; a missing block is appended
+    with append, an error without."""
+    block = f"<!-- {name}:begin -->\n{body.rstrip()}\n<!-- {name}:end -->"
+    old = marked(text, name)
+    if old is not None:
+        return text.replace(old, block)
+    if not append:
+        raise ValueError(f"no <!-- {name}:begin --> ... <!-- {name}:end --> block to rewrite")
+    return text.rstrip() + "\n\n" + block + "\n"
+
+
 def replace_section(path: Path, name: str, body: str) -> None:
-    """Replaces the text between <!-- name:begin --> and <!-- name:end -->, appending if absent."""
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    block = f"{begin}\n{body.rstrip()}\n{end}"
+    """Rewrites a section of a markdown file (created if absent), appending it if absent."""
     text = path.read_text(encoding="utf-8") if path.exists() else "# Results\n"
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text)
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text, encoding="utf-8")
+    path.write_text(replace_block(text, name, body, append=True), encoding="utf-8")

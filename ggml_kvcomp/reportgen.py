@@ -5,11 +5,11 @@ scripts/main-job.sh) is carried over from the file being replaced."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .report import marked, replace_block
 from .reportdata import Record
 
 MODEL_NAMES = {"smollm2-135m-f32": "SmolLM2-135M F32", "gemma3-270m": "Gemma-3-270M Q4_K_M",
@@ -60,6 +60,10 @@ def _labels(rows: Sequence[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(str(r["label"]) for r in rows))
 
 
+def _row(rec: Record | None, label: str) -> dict[str, Any] | None:
+    return next((r for r in rec.rows if r["label"] == label), None) if rec else None
+
+
 def _full_ctx(model: str) -> int:
     from .models import MODELS
 
@@ -101,7 +105,7 @@ def long_table(kld: dict[int, Record], needle: dict[int, Record]) -> str:
     for label in labels:
         cells = []
         for c in (c for c in ctxs if c in kld):
-            row = next((r for r in kld[c].rows if r["label"] == label), None)
+            row = _row(kld[c], label)
             cells.append(_kld(row) if row else NONE)
         cells += [_needle_cell(needle[c].rows, label) for c in ctxs if c in needle]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -172,7 +176,7 @@ def memory_table(by_model: dict[str, Record]) -> str:
     for label in _labels([r for rec in by_model.values() for r in rec.rows]):
         cells = []
         for m in models:
-            row = next((r for r in by_model[m].rows if r["label"] == label), None)
+            row = _row(by_model[m], label)
             cells.append(f"{row['kv_mib_full']:.1f} | {row['bpe_full']:.2f}" if row else f"{NONE} | {NONE}")
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -182,10 +186,6 @@ def bpe_at(row: dict[str, Any], ctx: int, ctx_full: int) -> float:
     """Bits per value at ctx tokens from a quality row: the main cache's bits plus the residual
     buffer's fixed slots spread over ctx cells (the row gives them spread over ctx_full)."""
     return (float(row["bpe_k"]) + float(row["bpe_v"])) / 2 + float(row["bpe_buffer_full"]) * ctx_full / ctx
-
-
-def _row(rec: Record | None, label: str) -> dict[str, Any] | None:
-    return next((r for r in rec.rows if r["label"] == label), None) if rec else None
 
 
 def mode_table(records: dict[str, Record]) -> str:
@@ -219,12 +219,6 @@ def _section(title: str, intro: str, records: Sequence[Record | None], table: st
     if table is None or not present:
         return f"### {title}\n\nNot measured yet: `scripts/report.sh` runs {missing}.\n"
     return f"### {title}\n\n{intro}\n\n{table}\n\nFrom:\n\n{_sources(present)}\n"
-
-
-def marked(text: str, name: str) -> str | None:
-    """The block between <!-- name:begin --> and <!-- name:end -->, markers included."""
-    m = re.search(rf"<!-- {re.escape(name)}:begin -->.*?<!-- {re.escape(name)}:end -->", text, re.S)
-    return m.group(0) if m else None
 
 
 INTRO = """# Results
@@ -280,11 +274,11 @@ def render(records: dict[str, Record], main_section: str | None) -> str:
                        "a step: sequences decoding together after a shared prompt, each in its own stream "
                        "(llama-batched-bench -pps), ratios to f16 in the same run.",
                        [par], parallel_table(par) if par else None, f"`{PARALLEL}`")]
-    by_model = {}
-    for model, ctx in sorted(QUALITY, key=lambda q: -q[1]):  # any context's run gives the full context's MiB
-        if model not in by_model and (rec := records.get(quality_name(model, ctx))):
-            by_model[model] = rec
-    by_model = {m: by_model[m] for m in dict.fromkeys(m for m, _ in QUALITY) if m in by_model}
+    def largest(model: str) -> Record | None:  # any context's run gives the full context's MiB
+        ctxs = sorted((c for m, c in QUALITY if m == model), reverse=True)
+        return next((rec for c in ctxs if (rec := records.get(quality_name(model, c)))), None)
+
+    by_model = {m: rec for m in dict.fromkeys(m for m, _ in QUALITY) if (rec := largest(m))}
     parts += ["## Memory at full context\n",
               _section("KV cache per configuration",
                        "The main caches scaled to the model's full context, the residual buffer as it is "
@@ -292,14 +286,6 @@ def render(records: dict[str, Record], main_section: str | None) -> str:
                        list(by_model.values()), memory_table(by_model) if by_model else None,
                        "the quality steps")]
     return "\n".join(parts).rstrip() + "\n"
-
-
-def replace_block(text: str, name: str, body: str) -> str:
-    """text with its <!-- name:begin/end --> block's body replaced; the block must exist."""
-    block = marked(text, name)
-    if block is None:
-        raise ValueError(f"no <!-- {name}:begin --> ... <!-- {name}:end --> block to rewrite")
-    return text.replace(block, f"<!-- {name}:begin -->\n{body.rstrip()}\n<!-- {name}:end -->")
 
 
 def write(records: dict[str, Record], results: Path, readme: Path | None) -> None:
