@@ -32,7 +32,7 @@ from .capi import (
     type_name,
 )
 from .kvtypes import KVCT_TYPES
-from .paths import bin_dir
+from .paths import NO_BUILD, bin_dir
 
 if TYPE_CHECKING:
     import llama_cpp
@@ -53,8 +53,7 @@ def import_llama_cpp() -> Any:
     """llama_cpp, bound to the kvcomp build's libllama (importing ggml_kvcomp pointed it there)."""
     want = bin_dir()
     if not (want / "libllama.so").exists():
-        raise FileNotFoundError(f"{want}/libllama.so not found: build first with scripts/build.sh, or pip install "
-                                "the package with its native build (python/README.md)")
+        raise FileNotFoundError(f"{want}/libllama.so not found: {NO_BUILD}")
     import llama_cpp
 
     loaded = Path(llama_cpp.llama_cpp._lib._name).resolve()

@@ -15,6 +15,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVCOMP_CACHE", Path.home() / ".cache" / "kvcomp"))
 
 
+# what a missing library or tool asks of the user
+NO_BUILD = "build first with scripts/build.sh, or pip install the package with its native build (python/README.md)"
+
+
 def wheel_lib_dir() -> Path | None:
     """The installed wheel's llama_cpp/lib, which holds libllama and the tools (python/wheel.cmake);
     None where llama_cpp came without them."""
@@ -41,8 +45,7 @@ def bin_dir() -> Path:
 def binary(name: str) -> Path:
     path = bin_dir() / name
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: build first with scripts/build.sh, or pip install the "
-                                "package with its native build (python/README.md)")
+        raise FileNotFoundError(f"{path} not found: {NO_BUILD}")
     return path
 
 
