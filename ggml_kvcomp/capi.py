@@ -31,6 +31,7 @@ class LlamaKvcompParams(ctypes.Structure):
         ("tracker", ctypes.c_int32),
         ("ema_shallow", ctypes.c_float),
         ("ema_deep", ctypes.c_float),
+        ("keep_prompt", ctypes.c_int32),
     ]
 
 

@@ -88,7 +88,10 @@ def open_llama(model: str | Path, mode: ModeName = "balanced", *, n_ctx: int = 2
                layers: str | Path | None = None, **knobs: float) -> llama_cpp.Llama:
     """A llama_cpp.Llama whose KV cache runs `mode`: its K/V types, flash attention, and its
     knobs, of which `knobs` (window, sinks, merge_interval, merge_at, pin_threshold,
-    pin_budget, tracker) override single ones. K takes the mode's type for the model's K
+    pin_budget, tracker) override single ones; keep_prompt=1 (not part of a mode) keeps the
+    exact rows a prompt's last token read through the generation that follows (a window more
+    of buffer), so that prompt reused after it, its last token decoded again, finds them
+    (without, seq_rm_exact says the prompt must be decoded again). K takes the mode's type for the model's K
     statistics (kvct4 for low-latency and balanced) and the mode's per-layer K rule (balanced:
     "edges"), or `k_layers`. The statistics are `kstats`: "auto" (measured by the library on
     first use of the model and cached, as the tools do), a file from `kvcomp calibrate`, or
@@ -139,7 +142,8 @@ def k_stats_source() -> str:
 
 
 def configure(llm: llama_cpp.Llama, mode: ModeName, **knobs: float) -> None:
-    """Applies a mode's knobs (and overrides) to an open Llama; its K/V types stay."""
+    """Applies a mode's knobs (and overrides, keep_prompt among them) to an open Llama; its
+    K/V types stay."""
     p = LlamaKvcompParams()
     c = lib()
     if c.llama_kvcomp_mode_preset(mode_id(mode), ctypes.byref(p), None, None) != 0:
@@ -149,7 +153,7 @@ def configure(llm: llama_cpp.Llama, mode: ModeName, **knobs: float) -> None:
         if k not in fields:
             raise ValueError(f"unknown knob {k!r}; known: {', '.join(sorted(fields))}")
         setattr(p, k, v)
-    if knobs:
+    if set(knobs) - {"keep_prompt"}:
         # the preset no longer holds as is
         p.mode = c.llama_kvcomp_mode_from_name(b"custom")
     rc = c.llama_kvcomp_configure(_ctx(llm), ctypes.byref(p))

@@ -155,6 +155,9 @@ def test_none_turns_kvct_off_and_a_file_overrides(bins: Path, model: Path, text:
     assert not (tmp_path / "f" / "kstats").exists()
     refused = _perplexity(bins, model, text, tmp_path / "r", "-ctk", "kvct4", "--kv-comp-kstats", "none", mode="")
     assert refused.returncode != 0 and "--kv-comp-kstats none was given" in _log(refused)
+    # an explicit -ctk after the mode stays, statistics or not
+    kept = _perplexity(bins, model, text, tmp_path / "k", "-ctk", "kvc4", "--kv-comp-kstats", str(kstats))
+    assert "type_k         = kvc4" in _log(kept)
 
 
 def test_python_with_kstats_none_keeps_the_plain_k_type(model: Path, tmp_path: Path,

@@ -46,6 +46,8 @@ def _perplexity(bins: Path, model: Path, text: Path, *extra: str) -> subprocess.
 
 @pytest.mark.parametrize(("extra", "reason"), [
     (["-ctk", "kvct4", "--kv-comp-kstats", "none"], "--kv-comp-kstats none was given"),
+    # an explicit -ctk after a mode is the user's: none does not turn it into the mode's kvc4
+    (["--kv-comp", "balanced", "-ctk", "kvct4", "--kv-comp-kstats", "none"], "--kv-comp-kstats none was given"),
     (["-ctk", "kvc4", "-ctv", "kvct4"], "K rows only"),
     (["-ctk", "kvct4", "--kv-comp-kstats", "DAMAGED"], "K statistics"),
     (["-ctk", "kvct4", "--kv-comp-kstats", "MISSING"], "K statistics"),

@@ -133,6 +133,27 @@ def test_cut_back_keeps_exact_rows(model: Path) -> None:
     m.close()
 
 
+@pytest.mark.parametrize("keep_prompt", [True, False])
+def test_keep_prompt_holds_the_prompt_through_a_generation(model: Path, keep_prompt: bool) -> None:
+    # 80 generated tokens move balanced's window (56) and merge interval (8) past the prompt's
+    m = llm.open_llama(model, "balanced", n_ctx=1024, keep_prompt=int(keep_prompt))
+    toks = m.tokenize(PROMPT.encode())
+    m.eval(toks)
+    n = m.n_tokens
+    first = np.array(m.scores[n - 1], dtype=np.float32)
+    for _ in range(80):
+        m.eval([int(np.argmax(m.scores[m.n_tokens - 1]))])
+    assert llm.seq_rm_exact(m, 0, n - 1) == keep_prompt
+    if keep_prompt:
+        # the prompt reused: its last token decoded again reads what its first run read
+        llama_cpp = llm.import_llama_cpp()
+        assert llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(m.ctx), 0, n - 1, -1)
+        m.n_tokens = n - 1
+        m.eval(toks[-1:])
+        assert np.array_equal(np.array(m.scores[n - 1], dtype=np.float32), first)
+    m.close()
+
+
 def _next_logits(m: Any) -> np.ndarray[Any, np.dtype[np.float32]]:
     m.eval(m.tokenize(b" the keeper", add_bos=False))
     return np.array(m.scores[m.n_tokens - 1], dtype=np.float32)

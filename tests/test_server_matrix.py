@@ -124,22 +124,47 @@ def test_mode_with_fa_off_names_the_fix(bins: Path, model: Path, tool: str) -> N
     assert re.search(want, proc.stdout + proc.stderr)
 
 
-def test_reused_prompt_past_the_spares_is_decoded_again(bins: Path, model: Path, tmp_path: Path) -> None:
-    """After a generation long enough to reuse the spare slots, a reused prompt would see its
-    window's rows quantized; the server decodes the prompt again instead, which gives the
-    answer a fresh request gets."""
-    log = tmp_path / "server.log"
-    with server(bins, model, "--kv-comp", "balanced", "-np", "1", "-c", "512", log=log) as url:
-        # 200 generated tokens whatever text comes: past the spares
-        post(f"{url}/completion",
-             {"prompt": PROMPT, "temperature": 0, "n_predict": 200, "ignore_eos": True, "cache_prompt": True})
-        reused = post(f"{url}/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 16, "cache_prompt": True})
-        fresh = post(f"{url}/completion", {"prompt": PROMPT, "temperature": 0, "n_predict": 16, "cache_prompt": False})
-        assert "the cut-back would lose exact rows, the prompt is decoded again" in log.read_text()
-        assert reused["content"] == fresh["content"]
-        # the timings say what was done: the whole prompt, none of it from the cache
-        assert reused["timings"]["cache_n"] == 0  # type: ignore[index]
-        assert reused["timings"]["prompt_n"] == fresh["timings"]["prompt_n"]  # type: ignore[index]
+def _prompt_cache_run(bins: Path, model: Path, log: Path, *extra: str) -> tuple[list[dict[str, object]], str]:
+    """A long prompt reused after a generation of 80 tokens on its slot, then restored from the
+    RAM prompt cache (with its 80 generated tokens) after another prompt took the slot, then
+    sent fresh: the three responses and the server's log."""
+    prompt = PROMPT * 20
+    greedy = {"temperature": 0, "n_predict": 16, "cache_prompt": True}
+    long = {**greedy, "n_predict": 80, "ignore_eos": True}
+    with server(bins, model, *extra, "-np", "1", "-c", "1024", "--cache-ram", "64", log=log) as url:
+        post(f"{url}/completion", {"prompt": prompt, **long})
+        reused = post(f"{url}/completion", {"prompt": prompt, **greedy})
+        post(f"{url}/completion", {"prompt": prompt, **long})
+        post(f"{url}/completion", {"prompt": "Another text entirely, about rivers.", **greedy})
+        restored = post(f"{url}/completion", {"prompt": prompt, **greedy})
+        fresh = post(f"{url}/completion", {"prompt": prompt, **greedy, "cache_prompt": False})
+    return [reused, restored, fresh], log.read_text()
+
+
+@pytest.mark.parametrize("keep_prompt", ["on", "off"])
+def test_reused_prompt_after_a_long_generation(bins: Path, model: Path, tmp_path: Path, keep_prompt: str) -> None:
+    """80 generated tokens move balanced's window (56) and merge interval (8) past the prompt.
+    With --kv-comp-keep-prompt (llama-server's default) the prompt's exact rows are still there:
+    reused or restored, it costs what it costs on an f16 cache (the same timings), and gives a
+    fresh request's answer. Without, the server decodes the prompt again, and says so."""
+    (f16_reused, f16_restored, _), _ = _prompt_cache_run(bins, model, tmp_path / "f16.log")
+    (reused, restored, fresh), log = _prompt_cache_run(bins, model, tmp_path / "kvc.log", "--kv-comp", "balanced",
+                                                       "--kv-comp-keep-prompt", keep_prompt)
+    n_prompt = _cached(fresh)[1]
+    # the f16 run is the reference: both are cache hits there
+    assert [_cached(f16_reused), _cached(f16_restored)] == [(n_prompt - 1, 1)] * 2
+    assert reused["content"] == fresh["content"] and restored["content"] == fresh["content"]
+    decoded_again = "the cut-back would lose exact rows, the prompt is decoded again" in log
+    assert decoded_again == (keep_prompt == "off")
+    if keep_prompt == "on":
+        assert [_cached(reused), _cached(restored)] == [_cached(f16_reused), _cached(f16_restored)]
+
+
+def _cached(response: dict[str, object]) -> tuple[int, int]:
+    """A response's tokens taken from the cache and tokens of the prompt decoded."""
+    timings = response["timings"]
+    assert isinstance(timings, dict)
+    return int(timings["cache_n"]), int(timings["prompt_n"])
 
 
 @pytest.mark.parametrize("mode", ["balanced", "high-precision"])

@@ -76,6 +76,7 @@ llama_kvcomp_params llama_kvcomp_default_params(void) {
     p.tracker        = 0;
     p.ema_shallow    = 0.1f;
     p.ema_deep       = 0.2f;
+    p.keep_prompt    = 0;
     return p;
 }
 
@@ -168,6 +169,9 @@ const char * llama_kvcomp_params_error(const llama_kvcomp_params * p) {
     }
     if (!(p->ema_shallow > 0.0f && p->ema_shallow <= 1.0f) || !(p->ema_deep > 0.0f && p->ema_deep <= 1.0f)) {
         return "the EMA weights must be in (0, 1]";
+    }
+    if (p->keep_prompt != 0 && p->keep_prompt != 1) {
+        return "keep-prompt is on (1) or off (0)";
     }
     return nullptr;
 }
@@ -336,6 +340,11 @@ int32_t llama_kvcomp_set_mode(llama_context * ctx, int32_t mode) {
         // "off" means full precision; the cache keeps its low-bit types, so every new token
         // stays exact in the residual buffer instead (as much memory as an F16 cache)
         p.window = (int32_t) llama_n_ctx_seq(ctx);
+    }
+    // a switch keeps what is not part of a mode
+    llama_kvcomp_params cur;
+    if (llama_kvcomp_get_config(ctx, &cur) == 0) {
+        p.keep_prompt = cur.keep_prompt;
     }
     // a preset's window, sinks and merge interval shrink to a smaller context
     const int32_t n_ctx = (int32_t) llama_n_ctx(ctx);

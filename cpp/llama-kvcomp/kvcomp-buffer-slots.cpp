@@ -16,6 +16,11 @@ bool llama_kvcomp_buffer::is_exact(llama_pos key, llama_pos query, bool pinned) 
     return pinned || key < params.sinks || key > query - params.window;
 }
 
+bool llama_kvcomp_buffer::anchored(const stream_map & m, llama_seq_id seq, llama_pos pos) const {
+    const llama_pos anchor = m.seq_anchor[seq];
+    return params.keep_prompt && anchor >= 0 && pos < anchor && is_exact(pos, anchor - KVCOMP_CUT_BACK, false);
+}
+
 void llama_kvcomp_buffer::free_slot(stream_map & m, uint32_t s) {
     if (m.slot_cell[s] >= 0) {
         m.cell_slot[m.slot_cell[s]] = -1;
@@ -145,8 +150,10 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
         m.cell_ub[cells_ub[i]] = (int32_t) i;
     }
 
-    // the earliest query of each sequence in this ubatch, and the first one after it
+    // the earliest query of each sequence in this ubatch, the first one after it, and how
+    // many tokens the sequence has here
     std::map<llama_seq_id, llama_pos> first_query, next_query;
+    std::map<llama_seq_id, uint32_t> n_tokens;
     for (uint32_t i = i0; i < i0 + cells_ub.size(); ++i) {
         for (int32_t j = 0; j < ubatch.n_seq_id[i]; ++j) {
             const llama_seq_id seq = ubatch.seq_id[i][j];
@@ -155,18 +162,36 @@ void llama_kvcomp_buffer::apply_stream(const llama_kv_cache & kv, uint32_t strm,
                 first_query[seq] = ubatch.pos[i];
             }
             next_query[seq] = std::max(next_query.count(seq) ? next_query[seq] : 0, ubatch.pos[i] + 1);
+            ++n_tokens[seq];
+        }
+    }
+
+    // Anchors. A sequence cut back before its anchor's query has left that prompt, and one
+    // that has none (new, or restored from a state) takes the end of its next ubatch: a
+    // restored prompt's last token decoded again sets it where its first run did. A prompt,
+    // two tokens or more of the sequence in one ubatch, moves it to its end.
+    for (llama_seq_id seq = 0; seq < LLAMA_MAX_SEQ; ++seq) {
+        llama_pos & anchor = m.seq_anchor[seq];
+        const auto it = first_query.find(seq);
+        const llama_pos next = it != first_query.end() ? it->second : cells.seq_pos_max(seq) + 1;
+        if (anchor >= 0 && anchor - KVCOMP_CUT_BACK > next) {
+            anchor = -1;
+        }
+        if (it != first_query.end() && (anchor < 0 || n_tokens[seq] > 1)) {
+            anchor = next_query[seq];
         }
     }
 
     // whether a query of this ubatch or a later one (from_query: first_query), or a later
-    // one only (next_query), sees the row of cell c exactly
+    // one only (next_query), sees the row of cell c exactly, or keep_prompt holds it
     const auto wanted = [&](int32_t c, llama_pos pos, const std::map<llama_seq_id, llama_pos> & from_query) {
         for (llama_seq_id seq = 0; seq < LLAMA_MAX_SEQ; ++seq) {
             if (!cells.seq_has(c, seq)) {
                 continue;
             }
             const auto it = from_query.find(seq);
-            if (is_exact(pos, it != from_query.end() ? it->second : cells.seq_pos_max(seq) + 1, false)) {
+            if (is_exact(pos, it != from_query.end() ? it->second : cells.seq_pos_max(seq) + 1, false) ||
+                anchored(m, seq, pos)) {
                 return true;
             }
         }

@@ -116,9 +116,14 @@ void llama_kvcomp_buffer::state_read(llama_io_read_i & io, llama_kv_cache & kv, 
     if (!buffered && !tracker && !plans) {
         return;
     }
-    // the restored cells hold other tokens now
+    // the restored cells hold other tokens now, and the sequence's prompt is the state's
     for (uint32_t strm = 0; strm < maps.size(); ++strm) {
         stream_map & m = maps[strm];
+        if (seq_id == -1) {
+            std::fill(m.seq_anchor.begin(), m.seq_anchor.end(), -1);
+        } else {
+            m.seq_anchor[seq_id] = -1;
+        }
         for (uint32_t s = 0; s < n_slots(); ++s) {
             const int32_t c = m.slot_cell[s];
             bool restored = seq_id == -1;

@@ -30,7 +30,9 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
     // have their budget. Each sequence also keeps the KVCOMP_CUT_BACK rows before its window:
     // a sequence cut back by that many tokens still finds every row its next query sees
     // exactly, so re-decoding a prompt's last token (llama-server and llama-cpp-python do it
-    // for a reused or restored prompt) gives the logits of the first run.
+    // for a reused or restored prompt) gives the logits of the first run. With keep_prompt,
+    // each sequence keeps the window its last prompt's final token read as well, W slots more,
+    // so that re-decode finds its rows after a generation too.
     //
     // The window is held once when the slot writes follow the layer's attention: a token
     // then takes the slot of a row that only its own ubatch's queries still see exactly, and
@@ -43,7 +45,8 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         host = host && ggml_kvcomp_buffer_cpu_kernels(l.k->buffer) && ggml_kvcomp_buffer_cpu_kernels(l.v->buffer);
     }
     give_away = buffered && host && params.pin_threshold <= 0.0f && kv.map_layer_ids.size() == kv.layers.size();
-    const uint32_t n_window = n_seq * (uint32_t) (params.window + params.sinks + params.merge_interval - 1 + KVCOMP_CUT_BACK);
+    const uint32_t n_window = n_seq * (uint32_t) (params.window + params.sinks + params.merge_interval - 1 + KVCOMP_CUT_BACK +
+                                                  (params.keep_prompt ? params.window : 0));
     const uint32_t n_new    = give_away ? 0 : params.pin_threshold > 0.0f ? n_ubatch : std::min(n_seq * (uint32_t) params.window, n_ubatch);
     n_slots_stream = buffered ? n_window + n_new + pin_budget : 0;
 
@@ -56,6 +59,7 @@ llama_kvcomp_buffer::llama_kvcomp_buffer(const llama_kv_cache & kv, const llama_
         m.cell_slot.assign(kv_size, -1);
         m.cell_ub.assign(kv_size, -1);
         m.cell_given.assign(kv_size, -1);
+        m.seq_anchor.assign(LLAMA_MAX_SEQ, -1);
     }
 
     int32_t max_il = 0;

@@ -180,6 +180,9 @@ private:
         // slot each cell held before the current ubatch gave it to one of its tokens, -1 when
         // none: that ubatch's queries still read the old row there (the write follows them)
         std::vector<int32_t>   cell_given;
+        // per sequence: the position after its last prompt (-1: none yet), whose final token's
+        // exact rows keep_prompt holds (apply_stream)
+        std::vector<llama_pos> seq_anchor;
 
         // the slot whose row the current ubatch's attention reads for `cell`, -1 when none (a
         // slot given to one of the ubatch's tokens still holds the old row: the write follows)
@@ -193,6 +196,9 @@ private:
     };
 
     bool is_exact(llama_pos key, llama_pos query, bool pinned) const;
+    // whether keep_prompt holds the row at pos of sequence seq: its last prompt's final token
+    // (decoded again after a cut-back by KVCOMP_CUT_BACK) reads it exactly
+    bool anchored(const stream_map & m, llama_seq_id seq, llama_pos pos) const;
     ggml_tensor * shift_rows(const llama_kv_cache & kv, ggml_context * ctx, const llama_cparams & cparams, ggml_tensor * view,
                              ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors, float freq_base, float freq_scale,
                              uint32_t il) const;

@@ -88,6 +88,10 @@ static bool & kvcomp_k_from_mode() {
     return from_mode;
 }
 
+void common_kvcomp_type_k_given() {
+    kvcomp_k_from_mode() = false;
+}
+
 // --kv-comp MODE: the mode's knobs and cache types, except what was given explicitly. A
 // cache type counts as given when it is not upstream's default (f16). K is the mode's type for
 // its K statistics (llama_kvcomp_mode_type_k_stats) unless they are turned off.
@@ -334,6 +338,15 @@ std::vector<common_arg> common_kvcomp_args() {
         }
     ).set_env("LLAMA_ARG_KV_COMP_TRACKER"));
     args.push_back(common_arg(
+        {"--kv-comp-keep-prompt"}, "on|off",
+        "kvcomp residual buffer: each sequence keeps the exact rows its last prompt's final token read, through any "
+        "generation, so a reused or restored prompt costs a cache hit and gives its first answer (W more slots per "
+        "sequence; default: on in llama-server, off elsewhere)",
+        [](common_params & params, const std::string & value) {
+            params.kvcomp.keep_prompt = kvcomp_parse_switch("--kv-comp-keep-prompt", value) ? 1 : 0;
+        }
+    ).set_env("LLAMA_ARG_KV_COMP_KEEP_PROMPT"));
+    args.push_back(common_arg(
         {"--kv-comp-ema"}, "A[,B]",
         "kvcomp scale tracker: EMA weight of the first layer's statistics, and of the last layer's (layers between are "
         "interpolated), each in (0, 1] (default: 0.1,0.2)",
@@ -421,6 +434,7 @@ static void kvcomp_log_config(const llama_kvcomp_params & p, ggml_type type_k, g
     LOG_INF("kvcomp: pin budget     = %.2f%% (%s)\n", p.pin_budget, src(KVCOMP_KNOB_PIN_BUDGET));
     LOG_INF("kvcomp: tracker        = %s (%s)\n", p.tracker ? "on" : "off", src(KVCOMP_KNOB_TRACKER));
     LOG_INF("kvcomp: ema            = %.3f,%.3f (%s)\n", p.ema_shallow, p.ema_deep, src(KVCOMP_KNOB_EMA));
+    LOG_INF("kvcomp: keep prompt    = %s\n", p.keep_prompt ? "on" : "off");
     const llama_kvcomp_monitor_params & m = kvcomp_monitor_params();
     if (!m.enabled) {
         LOG_INF("kvcomp: monitor        = off\n");

@@ -12,6 +12,9 @@ struct common_params;
 // The --kv-comp-* flags, for common_params_parser_init.
 std::vector<common_arg> common_kvcomp_args();
 
+// -ctk was given: K is the user's from then on, which neither a mode nor --kv-comp-kstats changes.
+void common_kvcomp_type_k_given();
+
 // Before the context is created: refuses, with the fix in the message, what upstream would
 // refuse less clearly (a mode's quantized V cache with -fa off).
 bool common_kvcomp_check(const common_params & params);

@@ -36,6 +36,10 @@ struct llama_kvcomp_params {
                             // (quantized K only, not kvct), 0: off
     float   ema_shallow;    // tracker EMA weight α of the first layer, (0, 1]
     float   ema_deep;       // ... of the last layer; layers between are interpolated, (0, 1]
+    int32_t keep_prompt;    // 1: each sequence keeps the exact rows its last prompt's final token read,
+                            // through any generation (window more slots per sequence), so that token
+                            // decoded again after a cut-back (a reused or restored prompt) reads them
+                            // all (llama-server turns this on); 0: off. Not part of a mode.
 };
 
 // Everything off, mode LLAMA_KVCOMP_MODE_CUSTOM.

@@ -2,6 +2,8 @@
 
 #include "server-common.h"
 
+#include "common.h"
+
 #include "llama-kvcomp.h"
 #include "llama.h"
 
@@ -13,6 +15,10 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+void kvcomp_server_defaults(common_params & params) {
+    params.kvcomp.keep_prompt = 1;
+}
 
 // whether the context has a monitor that is on (--kv-comp-monitor off keeps one that has
 // nothing current)

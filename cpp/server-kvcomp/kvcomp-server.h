@@ -7,7 +7,13 @@
 
 #include <functional>
 
+struct common_params;
 struct llama_context;
+
+// llama-server's kvcomp defaults, set before its command line is parsed: a prompt the server
+// reuses or restores after a generation keeps its exact rows (--kv-comp-keep-prompt), since
+// its prompt cache re-decodes a cached prompt's last token.
+void kvcomp_server_defaults(common_params & params);
 
 // /metrics: upstream's handler, then the monitor's series when it answered 200 and a monitor
 // is on.

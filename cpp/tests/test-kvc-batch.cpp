@@ -6,8 +6,10 @@
 // with the scale tracker off, and with K statistics the kvct K pair and the modes that take
 // it), prompts of 38 and 512 tokens are decoded as one ubatch, as ubatches of 1, 7 and 32,
 // as one ubatch followed by seq_rm of the last token and its decode alone (the buffer keeps
-// the rows that cut-back needs: llama_kvcomp_seq_rm_exact must say so). The last token's
-// logits of every way must equal the one-ubatch logits. On a unified cache the prompt and 24
+// the rows that cut-back needs: llama_kvcomp_seq_rm_exact must say so), and so again after
+// N_REUSE more tokens with keep_prompt (a prompt llama-server reuses after a generation whose
+// window has moved past the prompt's). The last token's logits of every way must equal the
+// one-ubatch logits. On a unified cache the prompt and 24
 // greedy tokens are decoded beside two other sequences whose cells lie between its own and
 // whose tokens share its ubatches, and alone on the same cache; every logit of the two must
 // be equal (every mode with its tracker too: a cache that several sequences share gives its
@@ -38,6 +40,8 @@ struct cache_config {
 
 const int      WAY_UNIFIED   = -1;  // last_logits' way beside other sequences, with generation
 const int      WAY_ALONE     = -2;  // its reference: the same on the same unified cache, alone
+const int      WAY_REUSED    = -3;  // seq_rm's way after N_REUSE more tokens, with keep_prompt
+const int      N_REUSE       = 72;  // past balanced's window and merge interval (56 + 8)
 const int      N_GEN         = 24;  // greedy tokens the unified ways generate
 const uint32_t UNIFIED_SEQS  = 3;
 const uint32_t UNIFIED_EXTRA = 192; // cells for the other sequences and the generated tokens
@@ -48,7 +52,7 @@ struct runner {
     uint32_t      n_ctx;
 
     // one sequence in n_ctx cells, or UNIFIED_SEQS on a unified cache with room for the others
-    llama_context * make(const cache_config & c, bool unified = false) const {
+    llama_context * make(const cache_config & c, bool unified = false, bool keep_prompt = false) const {
         llama_context_params cp = test_ctx_params(c.type_k, unified ? UNIFIED_SEQS : 1, true, c.type_v);
         cp.n_ctx = unified ? n_ctx + UNIFIED_EXTRA : n_ctx;
         cp.n_batch = cp.n_ctx;
@@ -69,6 +73,7 @@ struct runner {
                 return nullptr;
             }
             kp.tracker = c.no_tracker ? 0 : kp.tracker;
+            kp.keep_prompt = keep_prompt ? 1 : 0;
             if (llama_kvcomp_configure(ctx, &kp) != 0) {
                 llama_free(ctx);
                 return nullptr;
@@ -78,10 +83,11 @@ struct runner {
     }
 
     // the last token's logits of toks[0, n) decoded in ubatches of `chunk` (0: one ubatch, then
-    // seq_rm of the last token and its decode alone; WAY_UNIFIED and WAY_ALONE: on_unified's
-    // logits of the prompt's last token and of each generated one)
+    // seq_rm of the last token and its decode alone, WAY_REUSED the same after N_REUSE more
+    // tokens; WAY_UNIFIED and WAY_ALONE: on_unified's logits of the prompt's last token and of
+    // each generated one)
     std::vector<float> last_logits(const cache_config & c, const std::vector<llama_token> & toks, int n, int chunk) const {
-        ctx_ptr p{ make(c, chunk == WAY_UNIFIED || chunk == WAY_ALONE) };
+        ctx_ptr p{ make(c, chunk == WAY_UNIFIED || chunk == WAY_ALONE, chunk == WAY_REUSED) };
         if (!p.ctx) {
             return {};
         }
@@ -91,7 +97,9 @@ struct runner {
         if (chunk > 0) {
             return decode(p.ctx, toks, 0, n, chunk);
         }
-        if (decode(p.ctx, toks, 0, n, n).empty() || llama_kvcomp_seq_rm_exact(p.ctx, 0, n - 1, -1) != 1 ||
+        if (decode(p.ctx, toks, 0, n, n).empty() ||
+            (chunk == WAY_REUSED && decode(p.ctx, toks, n, n + N_REUSE, 1).empty()) ||
+            llama_kvcomp_seq_rm_exact(p.ctx, 0, n - 1, -1) != 1 ||
             !llama_memory_seq_rm(llama_get_memory(p.ctx), 0, n - 1, -1)) {
             return {};
         }
@@ -203,7 +211,7 @@ double max_abs_diff(const std::vector<float> & a, const std::vector<float> & b) 
     return d;
 }
 
-const int CHUNKS[] = { 1, 7, 32, 0, WAY_UNIFIED };
+const int CHUNKS[] = { 1, 7, 32, 0, WAY_REUSED, WAY_UNIFIED };
 
 // The largest difference to one ubatch over the ways of CHUNKS, for a prompt of n tokens;
 // `ways` gets each way's.
@@ -222,7 +230,7 @@ double worst_split(report & rep, const runner & r, const cache_config & c, const
             max_abs_diff(r.last_logits(c, toks, n, WAY_UNIFIED), r.last_logits(c, toks, n, WAY_ALONE)) :
             max_abs_diff(r.last_logits(c, toks, n, chunk), whole);
         char buf[64];
-        snprintf(buf, sizeof(buf), "%s%s %.3g", ways.empty() ? "" : ", ", chunk > 0 ? std::to_string(chunk).c_str() : chunk == 0 ? "seq_rm" : "unified", d);
+        snprintf(buf, sizeof(buf), "%s%s %.3g", ways.empty() ? "" : ", ", chunk > 0 ? std::to_string(chunk).c_str() : chunk == 0 ? "seq_rm" : chunk == WAY_REUSED ? "reused" : "unified", d);
         ways += buf;
         worst = std::max(worst, d);
     }
@@ -265,8 +273,8 @@ int main(int argc, char ** argv) {
 
     const std::vector<llama_token> toks = test_tokenize(model, sample_text(), 4096);
     for (const int n : { 38, 512 }) {
-        const runner r{ model, stats, (uint32_t) std::max(n + 64, 512) };
-        if ((int) toks.size() < n) {
+        const runner r{ model, stats, (uint32_t) std::max(n + N_REUSE + 24, 512) };
+        if ((int) toks.size() < n + N_REUSE) {
             rep.check(false, "the text gives %d tokens", n);
             continue;
         }
@@ -277,7 +285,7 @@ int main(int argc, char ** argv) {
         for (const cache_config & c : configs) {
             ways.clear();
             const double d = worst_split(rep, r, c, toks, n, ways);
-            rep.check(d <= bound, "%d tokens, %s: ubatches of 1, 7, 32, a re-decode after seq_rm give one ubatch's logits, and beside others on a unified cache alone's (largest difference %.3g <= %.3g; %s)",
+            rep.check(d <= bound, "%d tokens, %s: ubatches of 1, 7, 32, a re-decode after seq_rm (after a generation too) give one ubatch's logits, and beside others on a unified cache alone's (largest difference %.3g <= %.3g; %s)",
                       n, c.name.c_str(), d, bound, ways.c_str());
         }
     }

@@ -300,15 +300,19 @@ void test_flash_attn(report & rep, ggml_type tk, ggml_type tv, int d, const fa_s
 
 // A cell no query sees (another sequence's, in a unified cache) may hold non-finite values of
 // a float V type: the output must equal, bit for bit, the one with those cells zeroed, and stay
-// finite. Every seventh cell is masked for every row; those cells' V rows are NaN and Inf.
-void test_flash_attn_unseen_nonfinite(report & rep, ggml_type tv, int d, const fa_shape & sh, bool use_ref) {
+// finite. Every seventh cell is masked for every row (last_sees: for every row but the last,
+// as when one sequence's key is NaN in a prompt that mixes sequences; that row's output is
+// then left out); those cells' V rows are NaN and Inf. With n_exact, the last cells are the
+// buffer's exact F16 rows (ggml_flash_attn_ext_add_exact) rather than main cells.
+void test_flash_attn_unseen_nonfinite(report & rep, ggml_type tv, int d, const fa_shape & sh, bool use_ref, bool last_sees,
+                                      int n_exact) {
     const int n_q = sh.n_q, n_kv = sh.n_kv, n_head = sh.n_head, n_head_kv = sh.n_head_kv;
     const auto q = make_rows(dist::gaussian, n_head * n_q, d, 41 + d);
     const auto k = make_rows(dist::gaussian, n_head_kv * n_kv, d, 42 + d);
     std::vector<float> mask((size_t) n_q * n_kv, 0.0f);
     for (int iq = 0; iq < n_q; ++iq) {
         for (int j = 0; j < n_kv; ++j) {
-            if (j % 7 == 3 || j > n_kv - n_q + iq) {
+            if ((j % 7 == 3 && !(last_sees && iq == n_q - 1)) || j > n_kv - n_q + iq) {
                 mask[(size_t) iq * n_kv + j] = -INFINITY;
             }
         }
@@ -335,17 +339,32 @@ void test_flash_attn_unseen_nonfinite(report & rep, ggml_type tv, int d, const f
         fill(tkf, k);
         fill(tvf, v);
         fill(tm, mask);
-        ggml_tensor * kq = ggml_cpy(g.ctx, tkf, ggml_new_tensor_3d(g.ctx, GGML_TYPE_KVC4, d, n_kv, n_head_kv));
-        ggml_tensor * vq = tv == GGML_TYPE_F32 ? tvf : ggml_cpy(g.ctx, tvf, ggml_new_tensor_3d(g.ctx, tv, d, n_kv, n_head_kv));
+        const int n_main = n_kv - n_exact;
+        const auto cells = [&](ggml_tensor * t, int j0, int n, ggml_type type) {
+            ggml_tensor * view = ggml_view_3d(g.ctx, t, d, n, n_head_kv, t->nb[1], t->nb[2], j0 * t->nb[1]);
+            return ggml_cpy(g.ctx, view, ggml_new_tensor_3d(g.ctx, type, d, n, n_head_kv));
+        };
+        ggml_tensor * kq = cells(tkf, 0, n_main, GGML_TYPE_KVC4);
+        ggml_tensor * vq = cells(tvf, 0, n_main, tv);
         ggml_tensor * res = flash_attn(g, tq, kq, vq, tm, 1.0f / std::sqrt((float) d), 0.0f, nullptr);
+        if (n_exact > 0) {
+            // as the buffer passes them: views of its slots (a view's source 1 names the order)
+            const auto slots = [&](ggml_tensor * t) {
+                ggml_tensor * x = cells(t, n_main, n_exact, GGML_TYPE_F16);
+                return ggml_view_3d(g.ctx, x, d, n_exact, n_head_kv, x->nb[1], x->nb[2], 0);
+            };
+            ggml_flash_attn_ext_add_exact(res, slots(tkf), slots(tvf), nullptr, nullptr);
+        }
         g.compute(res, sh.n_threads, use_ref);
         out[bad].assign((float *) res->data, (float *) res->data + (size_t) d * n_head * n_q);
     }
-    const bool finite = std::all_of(out[1].begin(), out[1].end(), [](float x) { return std::isfinite(x); });
-    const bool same = memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)) == 0;
-    rep.check(finite && same, "FLASH_ATTN_EXT %s K=kvc4 V=%s d=%3d%s: NaN/Inf in cells no row sees change nothing (%s)",
-              sh.name, ggml_type_name(tv), d, use_ref ? " (scalar reference)" : "",
-              !finite ? "output not finite" : same ? "bit-identical" : "output differs");
+    // the output is [d, n_head, n_q]: the last row's values come last
+    const size_t n = out[0].size() - (last_sees ? (size_t) d * n_head : 0);
+    const bool finite = std::all_of(out[1].begin(), out[1].begin() + n, [](float x) { return std::isfinite(x); });
+    const bool same = memcmp(out[0].data(), out[1].data(), n * sizeof(float)) == 0;
+    rep.check(finite && same, "FLASH_ATTN_EXT %s K=kvc4 V=%s d=%3d%s%s: NaN/Inf in cells no row sees%s change nothing (%s)",
+              sh.name, ggml_type_name(tv), d, n_exact ? ", exact cells" : "", use_ref ? " (scalar reference)" : "",
+              last_sees ? " (but the last)" : "", !finite ? "output not finite" : same ? "bit-identical" : "output differs");
 }
 
 // Two-source attention: main cells of a kvc type and exact F16 rows (slots, then the ubatch's
@@ -728,7 +747,13 @@ int main() {
     for (ggml_type tv : { GGML_TYPE_F16, GGML_TYPE_F32 }) {
         for (const fa_shape & sh : { FA_DECODE, FA_PREFILL_BLOCKS }) {
             for (bool use_ref : { false, true }) {
-                test_flash_attn_unseen_nonfinite(rep, tv, 128, sh, use_ref);
+                for (bool last_sees : { false, true }) {
+                    for (int n_exact : { 0, 24 }) {
+                        if (!last_sees || sh.n_q > 1) {
+                            test_flash_attn_unseen_nonfinite(rep, tv, 128, sh, use_ref, last_sees, n_exact);
+                        }
+                    }
+                }
             }
         }
     }

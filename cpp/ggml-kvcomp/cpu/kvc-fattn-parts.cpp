@@ -7,6 +7,7 @@
 #include "simd-gemm.h"
 #include "vec.h"
 
+#include <cmath>
 #include <numeric>
 
 namespace kvc_fa {
@@ -72,6 +73,60 @@ void gemm_f32(float * C, const float * A, const float * B, int M, int K, int N, 
                 s += A[i * K + k] * B[k * N + j];
             }
             C[i * N + j] = s;
+        }
+    }
+}
+
+// A value row that some rows of a block see and others do not (a later key of the same
+// sequence, or another sequence's in a prompt that mixes them) may hold non-finite values,
+// which the others' zero weights would still turn into NaN in simd_gemm's products. Such
+// columns of the tile vt (TK x W, the first nk real) are zeroed before its gemm and listed in
+// bad; add_columns then adds their terms to the rows that see them, as a row alone would get
+// them. Returns how many there are.
+template <typename Seen>
+bool seen_by_some(const Seen & seen, int R, int c) {
+    int n_seen = 0;
+    for (int r = 0; r < R; ++r) {
+        n_seen += seen(r, c);
+    }
+    return n_seen > 0 && n_seen < R;
+}
+
+bool row_finite(const float * v, int64_t W) {
+    for (int64_t d = 0; d < W; ++d) {
+        if (!std::isfinite(v[d])) {
+            return false;
+        }
+    }
+    return true;
+}
+
+template <typename Seen>
+int zero_mixed_nonfinite(float * vt, int64_t W, int nk, int R, const Seen & seen, int * bad) {
+    int n_bad = 0;
+    for (int c = 0; c < nk; ++c) {
+        if (seen_by_some(seen, R, c) && !row_finite(vt + c * W, W)) {
+            memset(vt + c * W, 0, W * sizeof(float));
+            bad[n_bad++] = c;
+        }
+    }
+    return n_bad;
+}
+
+// acc[r][W] += p[r][c] * v for the columns c of bad that row r sees; row(c, v) reads c's values.
+template <typename Seen, typename Row>
+void add_columns(float * acc, const float * p, int64_t W, int R, const int * bad, int n_bad, const Seen & seen, const Row & row) {
+    float v[KVC_MAX_ROW];
+    for (int i = 0; i < n_bad; ++i) {
+        row(bad[i], v);
+        for (int r = 0; r < R; ++r) {
+            if (!seen(r, bad[i])) {
+                continue;
+            }
+            const float w = p[r * KVC_FA_TILE_KV + bad[i]];
+            for (int64_t d = 0; d < W; ++d) {
+                acc[r * W + d] += w * v[d];
+            }
         }
     }
 }
@@ -273,18 +328,33 @@ void main_values(const fa_node & a, fa_rows & rows, const float * sc, int64_t ld
             all_seen = all_seen && (seen[c] || c >= nk);
         }
         const float * vs = sh.v && W == a.DV ? sh.v_tile(rows.s / V.r3, rows.hk, j0) : nullptr;
-        const float * Vt = vs && all_seen ? vs : rows.V32;
-        for (int c = 0; c < TK && Vt == rows.V32; ++c) {
-            float * vt = rows.V32 + c * W;
-            if (!seen[c]) {
-                memset(vt, 0, W * sizeof(float));
-            } else if (vs) {
+        const auto row = [&](int c, float * vt) {
+            if (vs) {
                 memcpy(vt, vs + c * W, W * sizeof(float));
             } else {
                 v_to_f32(V.row(j0 + c, rows.hk, rows.s) + off, vt, W);
             }
+        };
+        const auto seen_by = [&](int r, int c) { return sc[(t * ld + r) * TK + c] != -INFINITY; };
+        const float * Vt = vs && all_seen ? vs : rows.V32;
+        // a shared tile with a column to zero is copied first
+        for (int c = 0; c < nk && Vt == vs; ++c) {
+            if (seen_by_some(seen_by, R, c) && !row_finite(vs + c * W, W)) {
+                Vt = rows.V32;
+            }
         }
+        for (int c = 0; c < TK && Vt == rows.V32; ++c) {
+            float * vt = rows.V32 + c * W;
+            if (!seen[c]) {
+                memset(vt, 0, W * sizeof(float));
+            } else {
+                row(c, vt);
+            }
+        }
+        int bad[KVC_FA_TILE_KV];
+        const int n_bad = Vt == rows.V32 ? zero_mixed_nonfinite(rows.V32, W, nk, R, seen_by, bad) : 0;
         gemm_f32(acc, p, Vt, R, (int) TK, (int) W, a.ref);
+        add_columns(acc, p, W, R, bad, n_bad, seen_by, row);
     }
 }
 
@@ -369,20 +439,27 @@ void exact_part(const fa_node & a, fa_rows & rows) {
         }
         // A key no row sees adds a zero row: its slot may hold another sequence's non-finite
         // values, which a zero weight would still turn into NaN in simd_gemm's products.
+        const auto row = [&](int c, float * vt) {
+            const int p = keys[c] < n1 ? 0 : 1;
+            v_to_f32[p](a.v[1 + p].row(keys[c] - p * n1, rows.hk, rows.s), vt, DV);
+        };
+        const auto seen_by = [&](int r, int c) { return rows.MK[r * TK + c] != -INFINITY; };
         for (int c = 0; c < TK; ++c) {
             float * vt = rows.V32 + c * DV;
             bool seen = false;
             for (int r = 0; r < R && c < nk && !seen; ++r) {
-                seen = rows.MK[r * TK + c] != -INFINITY;
+                seen = seen_by(r, c);
             }
             if (seen) {
-                const int p = keys[c] < n1 ? 0 : 1;
-                v_to_f32[p](a.v[1 + p].row(keys[c] - p * n1, rows.hk, rows.s), vt, DV);
+                row(c, vt);
             } else {
                 memset(vt, 0, DV * sizeof(float));
             }
         }
+        int bad[KVC_FA_TILE_KV];
+        const int n_bad = zero_mixed_nonfinite(rows.V32, DV, nk, R, seen_by, bad);
         gemm_f32(rows.VKQ, rows.KQ, rows.V32, R, (int) TK, (int) DV, ref);
+        add_columns(rows.VKQ, rows.KQ, DV, R, bad, n_bad, seen_by, row);
     }
 }
 
