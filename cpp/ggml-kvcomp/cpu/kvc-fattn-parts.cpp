@@ -77,19 +77,16 @@ void gemm_f32(float * C, const float * A, const float * B, int M, int K, int N, 
     }
 }
 
-// A value row that some rows of a block see and others do not (a later key of the same
-// sequence, or another sequence's in a prompt that mixes them) may hold non-finite values,
-// which the others' zero weights would still turn into NaN in simd_gemm's products. Such
-// columns of the tile vt (TK x W, the first nk real) are zeroed before its gemm and listed in
-// bad; add_columns then adds their terms to the rows that see them, as a row alone would get
-// them. Returns how many there are.
-template <typename Seen>
-bool seen_by_some(const Seen & seen, int R, int c) {
-    int n_seen = 0;
-    for (int r = 0; r < R; ++r) {
-        n_seen += seen(r, c);
+// n_seen[c]: how many of the R rows of s (TK scores or mask values each) see key c
+void count_seen(const float * s, int R, int * n_seen) {
+    for (int c = 0; c < KVC_FA_TILE_KV; ++c) {
+        n_seen[c] = 0;
     }
-    return n_seen > 0 && n_seen < R;
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < KVC_FA_TILE_KV; ++c) {
+            n_seen[c] += s[r * KVC_FA_TILE_KV + c] != -INFINITY;
+        }
+    }
 }
 
 bool row_finite(const float * v, int64_t W) {
@@ -101,11 +98,16 @@ bool row_finite(const float * v, int64_t W) {
     return true;
 }
 
-template <typename Seen>
-int zero_mixed_nonfinite(float * vt, int64_t W, int nk, int R, const Seen & seen, int * bad) {
+// A value row that some rows of a block see and others do not (a later key of the same
+// sequence, or another sequence's in a prompt that mixes them) may hold non-finite values,
+// which the others' zero weights would still turn into NaN in simd_gemm's products. Such
+// columns of the tile vt (TK x W, the first nk real) are zeroed before its gemm and listed in
+// bad; add_columns then adds their terms to the rows that see them, as a row alone would get
+// them (n_seen from count_seen). Returns how many there are.
+int zero_mixed_nonfinite(float * vt, int64_t W, int nk, int R, const int * n_seen, int * bad) {
     int n_bad = 0;
     for (int c = 0; c < nk; ++c) {
-        if (seen_by_some(seen, R, c) && !row_finite(vt + c * W, W)) {
+        if (n_seen[c] > 0 && n_seen[c] < R && !row_finite(vt + c * W, W)) {
             memset(vt + c * W, 0, W * sizeof(float));
             bad[n_bad++] = c;
         }
@@ -318,14 +320,11 @@ void main_values(const fa_node & a, fa_rows & rows, const float * sc, int64_t ld
         // values, which a zero weight would still turn into NaN in simd_gemm's products.
         const int64_t j0 = t * TK;
         const int     nk = (int) std::min(TK, V.n - j0);
-        bool seen[KVC_FA_TILE_KV];
+        int n_seen[KVC_FA_TILE_KV];
+        count_seen(sc + t * ld * TK, R, n_seen);
         bool all_seen = true;
-        for (int c = 0; c < TK; ++c) {
-            seen[c] = false;
-            for (int r = 0; r < R && c < nk && !seen[c]; ++r) {
-                seen[c] = sc[(t * ld + r) * TK + c] != -INFINITY;
-            }
-            all_seen = all_seen && (seen[c] || c >= nk);
+        for (int c = 0; c < nk; ++c) {
+            all_seen = all_seen && n_seen[c] > 0;
         }
         const float * vs = sh.v && W == a.DV ? sh.v_tile(rows.s / V.r3, rows.hk, j0) : nullptr;
         const auto row = [&](int c, float * vt) {
@@ -339,20 +338,20 @@ void main_values(const fa_node & a, fa_rows & rows, const float * sc, int64_t ld
         const float * Vt = vs && all_seen ? vs : rows.V32;
         // a shared tile with a column to zero is copied first
         for (int c = 0; c < nk && Vt == vs; ++c) {
-            if (seen_by_some(seen_by, R, c) && !row_finite(vs + c * W, W)) {
+            if (n_seen[c] < R && !row_finite(vs + c * W, W)) {
                 Vt = rows.V32;
             }
         }
         for (int c = 0; c < TK && Vt == rows.V32; ++c) {
             float * vt = rows.V32 + c * W;
-            if (!seen[c]) {
+            if (c >= nk || n_seen[c] == 0) {
                 memset(vt, 0, W * sizeof(float));
             } else {
                 row(c, vt);
             }
         }
         int bad[KVC_FA_TILE_KV];
-        const int n_bad = Vt == rows.V32 ? zero_mixed_nonfinite(rows.V32, W, nk, R, seen_by, bad) : 0;
+        const int n_bad = Vt == rows.V32 ? zero_mixed_nonfinite(rows.V32, W, nk, R, n_seen, bad) : 0;
         gemm_f32(acc, p, Vt, R, (int) TK, (int) W, a.ref);
         add_columns(acc, p, W, R, bad, n_bad, seen_by, row);
     }
@@ -444,20 +443,18 @@ void exact_part(const fa_node & a, fa_rows & rows) {
             v_to_f32[p](a.v[1 + p].row(keys[c] - p * n1, rows.hk, rows.s), vt, DV);
         };
         const auto seen_by = [&](int r, int c) { return rows.MK[r * TK + c] != -INFINITY; };
+        int n_seen[KVC_FA_TILE_KV];
+        count_seen(rows.MK, R, n_seen);
         for (int c = 0; c < TK; ++c) {
             float * vt = rows.V32 + c * DV;
-            bool seen = false;
-            for (int r = 0; r < R && c < nk && !seen; ++r) {
-                seen = seen_by(r, c);
-            }
-            if (seen) {
+            if (c < nk && n_seen[c] > 0) {
                 row(c, vt);
             } else {
                 memset(vt, 0, DV * sizeof(float));
             }
         }
         int bad[KVC_FA_TILE_KV];
-        const int n_bad = zero_mixed_nonfinite(rows.V32, DV, nk, R, seen_by, bad);
+        const int n_bad = zero_mixed_nonfinite(rows.V32, DV, nk, R, n_seen, bad);
         gemm_f32(rows.VKQ, rows.KQ, rows.V32, R, (int) TK, (int) DV, ref);
         add_columns(rows.VKQ, rows.KQ, DV, R, bad, n_bad, seen_by, row);
     }
