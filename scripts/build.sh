@@ -10,19 +10,12 @@ cache=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}
 jobs=${KVCOMP_JOBS:-2}
 targets=${KVCOMP_TARGETS:-"llama llama-server llama-perplexity llama-bench llama-batched-bench llama-cli llama-quantize llama-kvcomp-steps llama-kvcomp-rows llama-kvcomp-ksim llama-kvcomp-calibrate ggml-rpc-server kvcomp-tests"}
 
-sdist=$(python3 "$root/scripts/prepare_upstream.py")
-key=$(basename "$(dirname "$sdist")")
-build="$cache/build-${key#upstream-}"
+# shellcheck source=scripts/build-env.sh
+source "$root/scripts/build-env.sh"
+kvcomp_build_dir build
 mkdir -p "$build"
-
-# A build folder configured from another clone is reconfigured (ccache keeps the objects).
-if [ -f "$build/CMakeCache.txt" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$root" "$build/CMakeCache.txt"; then
-    rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
-fi
-
-export CCACHE_DIR=${CCACHE_DIR:-$cache/ccache}
-export CCACHE_BASEDIR=$root
-export CCACHE_NOHASHDIR=1
+kvcomp_adopt_build
+kvcomp_ccache
 
 generator=()
 if command -v ninja >/dev/null 2>&1; then

@@ -18,9 +18,9 @@ command -v nvcc >/dev/null 2>&1 || { echo "cuda-build: nvcc not found on PATH" >
 # shellcheck source=scripts/cuda-env.sh
 source "$root/scripts/cuda-env.sh"
 
-sdist=$(python3 "$root/scripts/prepare_upstream.py")
-key=$(basename "$(dirname "$sdist")")
-build="$cache/build-cuda-sm${arch}-${key#upstream-}"
+# shellcheck source=scripts/build-env.sh
+source "$root/scripts/build-env.sh"
+kvcomp_build_dir "build-cuda-sm${arch}"
 
 args=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCOMP_UPSTREAM_DIR="$sdist" -DGGML_CUDA=ON
       -DCMAKE_CUDA_ARCHITECTURES="$arch")

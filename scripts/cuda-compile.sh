@@ -23,9 +23,9 @@ source "$root/scripts/cuda-env.sh"
 inc=$(kvcomp_cublas include)
 cublas_dir=$(dirname "$inc")
 
-sdist=$(python3 "$root/scripts/prepare_upstream.py")
-key=$(basename "$(dirname "$sdist")")
-build="$cache/cuda-compile-${key#upstream-}"
+# shellcheck source=scripts/build-env.sh
+source "$root/scripts/build-env.sh"
+kvcomp_build_dir "cuda-compile"
 
 if kvcomp_stale_build "$build" "$root"; then
     rm -rf "$build"

@@ -8,21 +8,16 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 cache=${KVCOMP_CACHE:-$HOME/.cache/kvcomp}
 
-sdist=$(python3 "$root/scripts/prepare_upstream.py")
-key=$(basename "$(dirname "$sdist")")
-build="$cache/wheel-${key#upstream-}"
-# A build folder configured from another clone is reconfigured (ccache keeps the objects).
-if [ -f "$build/CMakeCache.txt" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$root" "$build/CMakeCache.txt"; then
-    rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
-fi
+# shellcheck source=scripts/build-env.sh
+source "$root/scripts/build-env.sh"
+kvcomp_build_dir wheel
+kvcomp_adopt_build
 
 # the same ccache settings as scripts/build.sh, its compilers (CMake's default cc and c++, where
 # scikit-build-core would name gcc and g++) and a folder at the same depth, so that the compiler
 # command lines match its objects
 export CC=${CC:-cc} CXX=${CXX:-c++}
-export CCACHE_DIR=${CCACHE_DIR:-$cache/ccache}
-export CCACHE_BASEDIR=$root
-export CCACHE_NOHASHDIR=1
+kvcomp_ccache
 export CMAKE_BUILD_PARALLEL_LEVEL=${KVCOMP_JOBS:-2}
 unset KVCOMP_BIN_DIR LLAMA_CPP_LIB_PATH MTMD_CPP_LIB
 
