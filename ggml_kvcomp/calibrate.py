@@ -60,14 +60,22 @@ def ensure_kstats(model: Path) -> Path:
     return path if path.exists() else calibrate(model, path)
 
 
+def kstats_files(cfg: KvConfig, model: Path) -> tuple[Path | None, Path | None]:
+    """The K statistics file and the layer profile cfg loads on model: the corpus file where a
+    kvct K cache needs one (':k3' has the library measure its own), the profile for ':k2'."""
+    from .layers import ensure_profile  # layers measures with calibration_text, defined here
+
+    return (ensure_kstats(model) if cfg.needs_kstats else None,
+            ensure_profile(model) if cfg.kstats == 2 else None)
+
+
 def kv_args(cfg: KvConfig, model: Path) -> list[str]:
     """The tools' KV flags for cfg on model: its own, the statistics a kvct K cache loads, and
     the model's layer profile for ':k2'."""
-    from .layers import ensure_profile  # layers measures with calibration_text, defined here
-
+    stats, profile = kstats_files(cfg, model)
     args = cfg.tool_args()
-    if cfg.needs_kstats:
-        args += ["--kv-comp-kstats", str(ensure_kstats(model))]
-    if cfg.kstats == 2:
-        args += ["--kv-comp-layers", str(ensure_profile(model))]
+    if stats is not None:
+        args += ["--kv-comp-kstats", str(stats)]
+    if profile is not None:
+        args += ["--kv-comp-layers", str(profile)]
     return args

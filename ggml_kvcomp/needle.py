@@ -49,13 +49,11 @@ def _open(cfg: KvConfig, model: Path, n_ctx: int, threads: int) -> Any:
              if KNOBS[letter][0] not in ("monitor", "k_layers", "kstats")}
     if cfg.mode is not None and cfg.kstats:
         # a mode with the model's K statistics, as `--kv-comp MODE` (':k3') or kvcomp kld (':k1', ':k2') runs it
-        from .calibrate import ensure_kstats
-        from .layers import ensure_profile
+        from .calibrate import kstats_files
 
-        return llm.open_llama(model, cfg.mode, n_ctx=n_ctx, n_threads=threads,
-                              kstats="auto" if cfg.kstats == 3 else ensure_kstats(model),
-                              k_layers=cast(KLayersName, K_LAYERS_NAMES[cfg.k_layers]),
-                              layers=ensure_profile(model) if cfg.kstats == 2 else None, **knobs)
+        stats, profile = kstats_files(cfg, model)
+        return llm.open_llama(model, cfg.mode, n_ctx=n_ctx, n_threads=threads, kstats=stats or "auto",
+                              k_layers=cast(KLayersName, K_LAYERS_NAMES[cfg.k_layers]), layers=profile, **knobs)
     m = llm.new_llama(model, cfg.type_k, cfg.type_v, n_ctx=n_ctx, n_threads=threads)
     if cfg.mode is not None or knobs:
         llm.configure(m, cfg.mode or "off", **knobs)
