@@ -218,7 +218,8 @@ def _section(title: str, intro: str, records: Sequence[Record | None], table: st
     present = [r for r in records if r is not None]
     if table is None or not present:
         return f"### {title}\n\nNot measured yet: `scripts/report.sh` runs {missing}.\n"
-    return f"### {title}\n\n{intro}\n\n{table}\n\nFrom:\n\n{_sources(present)}\n"
+    lead = f"{intro}\n\n" if intro else ""
+    return f"### {title}\n\n{lead}{table}\n\nFrom:\n\n{_sources(present)}\n"
 
 
 INTRO = """# Results
