@@ -30,7 +30,8 @@ step() {
 }
 
 modes=high-precision,balanced:k3,low-latency:k3
-quality=f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,$modes
+# balanced:k1 beside the default: statistics from a file calibrated on the corpus (`kvcomp calibrate`)
+quality=f16,q8_0,q4_0,iq4_nl,kvc8,kvc4,kvc3,$modes,balanced:k1
 long=f16,q8_0,q4_0,$modes
 speed=f16,q8_0,q4_0,kvc4,$modes
 
