@@ -237,8 +237,9 @@ Text: the offline corpus built from CPython's standard-library docstrings
 (`llama-perplexity --kl-divergence-base`) over the second half of each chunk; bpe counts every
 byte of the cache (codes, scales, the residual buffer's F16 slots spread over the context).
 The modes run as `--kv-comp MODE` runs them (`:k3`: kvct K from the statistics the library
-measures itself; `:k1`: from a statistics file calibrated on the corpus). Speed ratios are to f16 in the same run; absolute t/s hold for that machine
-and load only ([tools.md](tools.md), "Measuring").
+measures itself; `:k1`: from a statistics file calibrated on the corpus). Speed ratios are to
+f16 in the same run; absolute t/s hold for that machine and load only ([tools.md](tools.md),
+"Measuring").
 """
 
 
