@@ -5,6 +5,7 @@
 #   kvcomp_adopt_build    -> a build folder configured from another clone is configured again
 #                            here (ccache keeps the objects)
 #   kvcomp_ccache         -> exports the ccache settings that let every clone share its objects
+#   kvcomp_other_clone DIR -> true when DIR was configured from another clone than $root
 
 kvcomp_build_dir() {
     sdist=$(python3 "$root/scripts/prepare_upstream.py")
@@ -13,8 +14,12 @@ kvcomp_build_dir() {
     build="$cache/$1-${key#upstream-}"
 }
 
+kvcomp_other_clone() {
+    [ -f "$1/CMakeCache.txt" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$root" "$1/CMakeCache.txt"
+}
+
 kvcomp_adopt_build() {
-    if [ -f "$build/CMakeCache.txt" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$root" "$build/CMakeCache.txt"; then
+    if kvcomp_other_clone "$build"; then
         rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
     fi
 }

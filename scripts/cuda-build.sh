@@ -38,7 +38,7 @@ if [ "$(uname -m)" = x86_64 ]; then
     args+=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
 fi
 
-if kvcomp_stale_build "$build" "$root"; then
+if kvcomp_stale_build "$build"; then
     rm -rf "$build"
     cmake -S "$root" -B "$build" "${args[@]}" >&2
 fi

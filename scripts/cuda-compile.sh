@@ -27,7 +27,7 @@ cublas_dir=$(dirname "$inc")
 source "$root/scripts/build-env.sh"
 kvcomp_build_dir "cuda-compile"
 
-if kvcomp_stale_build "$build" "$root"; then
+if kvcomp_stale_build "$build"; then
     rm -rf "$build"
     # The libraries are never linked here; their paths only satisfy the configure step.
     cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCOMP_UPSTREAM_DIR="$sdist" \

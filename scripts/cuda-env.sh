@@ -24,7 +24,8 @@ PY
     echo "$dir/nvidia/cu13/$part"
 }
 
-# kvcomp_stale_build BUILD ROOT: true when BUILD is not a configured build of the clone at ROOT
+# kvcomp_stale_build BUILD: true when BUILD is not a configured build of this clone
+# (kvcomp_other_clone: scripts/build-env.sh, sourced beside this file)
 kvcomp_stale_build() {
-    [ ! -f "$1/build.ninja" ] || ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$2" "$1/CMakeCache.txt"
+    [ ! -f "$1/build.ninja" ] || [ ! -f "$1/CMakeCache.txt" ] || kvcomp_other_clone "$1"
 }
