@@ -58,6 +58,80 @@ kvc_t_plan make_plan(int d, bool neox, bool steep, kvc_t_basis basis, ggml_type 
 // three paths), over every decoder test's plan
 int64_t n_groups_by_width[3] = { 0, 0, 0 };
 
+// Eight rows at once (kvc_t_decoder_rows8, which attention's K tiles take where it is built)
+// against kvc_t_decoder_row_at row by row, bit for bit. Rows lie 3 rows apart, as one KV head's
+// rows do among three. Blocks of 8 keys take positions in a run, every other position, in
+// falling order and across a multiple of KVC_T_ROPE_STEPS, near 0 and past 40000; the decoder
+// must take every block within one such run where it is built (and none elsewhere), and
+// decline the others. The last 8 rows before an unreadable page decode as elsewhere.
+void test_rows8(report & rep, const kvc_t_decoder & dec, const kvc_t_rope & rope, const kvc_t_rope_steps & steps,
+                const std::vector<uint8_t> & rows, const char * name, bool steep) {
+    const int d = dec.plan->d;
+    const size_t rb = kvc_t_row_size(dec.plan->row_bits);
+    const int n_blocks = (int) (rows.size() / rb) / 8;
+    std::vector<uint8_t> heads(rows.size() * 3);
+    for (size_t r = 0; r < rows.size() / rb; ++r) {
+        memcpy(&heads[(3 * r + 1) * rb], &rows[r * rb], rb);
+    }
+    std::vector<float> tile((size_t) d * 8), y(d);
+    kvc_t_rows8 r8;
+    std::vector<float> tab(std::max<size_t>(1, kvc_t_rows8_floats(dec.plan)));
+    kvc_t_rows8_init(&r8, &dec, tab.data());
+#if defined(__AVX512F__)
+    const int lanes = 16;
+#else
+    const int lanes = 8;
+#endif
+    const bool built = kvc_t_rows8_floats(dec.plan) > 0 && (d / 2) % lanes == 0;
+    kvc_t_rope_walk w8, wr;
+    kvc_t_rope_walk_init(&w8, &rope, &steps, &dec);
+    kvc_t_rope_walk_init(&wr, &rope, &steps, &dec);
+    int taken = 0, eligible = 0, differ = 0, wrong = 0;
+    const auto same8 = [&](const uint8_t * x0, int64_t stride, const int64_t * pos) {
+        bool ok = true;
+        for (int i = 0; i < 8; ++i) {
+            kvc_t_rope_walk_to(&wr, pos[i]);
+            kvc_t_decoder_row_at(&dec, x0 + i * stride, &wr, y.data());
+            for (int c = 0; c < d; ++c) {
+                ok &= memcmp(&tile[(size_t) c * 8 + i], &y[c], sizeof(float)) == 0;
+            }
+        }
+        return ok;
+    };
+    for (int b = 0; b < n_blocks; ++b) {
+        const int64_t at = (b % 5 == 0 ? 40000 : 0) + 16 * b;
+        int64_t pos[8];
+        for (int i = 0; i < 8; ++i) {
+            const int k = b % 4;
+            pos[i] = at + (k == 0 ? b % 3 + i : k == 1 ? 2 * i : k == 2 ? 15 - i : 12 + i);
+        }
+        const bool one_run = b % 4 != 3;
+        const uint8_t * x0 = &heads[(3 * (size_t) (8 * b) + 1) * rb];
+        const bool took = kvc_t_decoder_rows8(&dec, &r8, &w8, x0, (int64_t) (3 * rb), pos, tile.data(), 8);
+        eligible += one_run;
+        taken += took;
+        wrong += took != (built && one_run);
+        differ += took && !same8(x0, (int64_t) (3 * rb), pos);
+    }
+    rep.check(wrong == 0 && differ == 0,
+              "%s: d=%3d %s%s 8 rows at once: %d of %d blocks in one run taken%s, %d differ from the row decoder bit for bit", KVC_ISA,
+              d, name, steep ? " steep" : "", taken, eligible, built ? "" : " (not built here)", differ);
+
+#if defined(KVC_TEST_GUARD_PAGE)
+    const size_t ps = (size_t) sysconf(_SC_PAGESIZE);
+    uint8_t * page = (uint8_t *) mmap(nullptr, 2 * ps, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    GGML_ASSERT(page != MAP_FAILED && mprotect(page + ps, ps, PROT_NONE) == 0);
+    uint8_t * last = page + ps - 8 * rb;
+    memcpy(last, rows.data(), 8 * rb);
+    const int64_t pos[8] = { 0, 1, 2, 3, 4, 5, 6, 7 };
+    const bool took = kvc_t_decoder_rows8(&dec, &r8, &w8, last, (int64_t) rb, pos, tile.data(), 8);
+    const bool ok = took == built && (!took || same8(last, (int64_t) rb, pos));
+    munmap(page, 2 * ps);
+    rep.check(ok, "%s: d=%3d %s%s 8 rows at once that end at an unreadable page decode as elsewhere", KVC_ISA, d, name,
+              steep ? " steep" : "");
+#endif
+}
+
 void test_decoder(report & rep, int d, bool neox, bool steep, ggml_type type) {
     const int n = 3000;
     static kvc_t_plan plan, pooled;
@@ -125,6 +199,8 @@ void test_decoder(report & rep, int d, bool neox, bool steep, ggml_type type) {
     rep.check(e2 / n2 <= 1e-10, "%s: d=%3d %s%s rows before RoPE, turned, vs reference: nmse %.2e <= 1e-10", KVC_ISA, d, name,
               steep ? " steep" : "", e2 / n2);
     rep.check(same, "%s: d=%3d %s%s rows after RoPE equal dequantize_row_kvct bit for bit", KVC_ISA, d, name, steep ? " steep" : "");
+
+    test_rows8(rep, dec, rope, steps, rows, name, steep);
 
     // scores a tile at a time, against double dot products with the reference rows: batches of
     // 37, 16 and 5 rows (full and partial tiles) for 1, 2, 3, 6 and 16 queries (the AVX2

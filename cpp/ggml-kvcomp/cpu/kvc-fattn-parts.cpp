@@ -7,8 +7,10 @@
 #include "simd-gemm.h"
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <vector>
 
 namespace kvc_fa {
 
@@ -160,6 +162,45 @@ void score_row(const fa_node & a, float * kq, const float * mk) {
     }
 }
 
+// 8 rows of 8 floats (src, rows ld apart) as 8 columns (dst, rows ldd apart)
+void transpose8(const float * GGML_RESTRICT src, int64_t ld, float * GGML_RESTRICT dst, int64_t ldd) {
+#if defined(KVC_AVX2)
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm256_loadu_ps(src + i * ld);
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i]     = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        for (int h = 0; h < 2; ++h) {
+            r[4 * i + 2 * h]     = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0x44);
+            r[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0xEE);
+        }
+    }
+    for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(dst + i * ldd,       _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+#else
+    for (int i = 0; i < 8; ++i) {
+        for (int j = 0; j < 8; ++j) {
+            dst[j * ldd + i] = src[i * ld + j];
+        }
+    }
+#endif
+}
+
+// a thread's 8 rows of K before the transpose
+std::vector<float> & k_rows_scratch(int64_t DK) {
+    thread_local std::vector<float> kt;
+    if (kt.size() < (size_t) (8 * DK)) {
+        kt.resize(8 * DK);
+    }
+    return kt;
+}
+
 } // namespace
 
 // as_f16: F32 rows are read as their F16 rounding
@@ -189,20 +230,35 @@ void combine(float & M, float & S, float * acc, float pM, float pS, const float 
 }
 
 // Keys [j0, j0 + nk) of KV head hk in stream s as one tile of F32 columns, K32[DK][TK] (the
-// layout gemm_f32 multiplies), the columns past nk zero.
+// layout gemm_f32 multiplies), the columns past nk zero. Rows are read 8 at a time and their
+// 8 x 8 blocks transposed in registers: storing a row's values one by one down its column
+// (one store every TK floats) took as long as decoding a kvct row of 256 values.
 void k_tile_f32(const fa_src & K, row_to_f32_t to_f32, int64_t j0, int nk, int64_t hk, int64_t s, int64_t DK,
                 kvc_t_rope_walk * walk, float * K32) {
     const int64_t TK = KVC_FA_TILE_KV;
-    float kt[KVC_MAX_ROW];
-    for (int c = 0; c < nk; ++c) {
-        K.row_f32(to_f32, j0 + c, hk, s, kt, DK, walk);
-        for (int64_t d = 0; d < DK; ++d) {
-            K32[d * TK + c] = kt[d];
+    static_assert(KVC_FA_TILE_KV % 8 == 0, "a tile is whole blocks of 8 keys");
+    GGML_ASSERT(DK % 8 == 0 && DK <= KVC_MAX_ROW);
+    std::vector<float> & kt = k_rows_scratch(DK);
+    for (int c0 = 0; c0 < TK; c0 += 8) {
+        const int n = std::max(0, std::min(8, nk - c0));
+        if (n == 8 && K.rows8 && K.rope && !K.ref) {
+            int64_t pos[8];
+            for (int c = 0; c < 8; ++c) {
+                pos[c] = K.key_pos(j0 + c0 + c, s);
+            }
+            if (kvc_t_decoder_rows8(&K.plans[hk], &K.rows8[hk], walk, (const uint8_t *) K.row(j0 + c0, hk, s), (int64_t) K.nb1,
+                                    pos, K32 + c0, TK)) {
+                continue;
+            }
         }
-    }
-    for (int c = nk; c < TK; ++c) {
-        for (int64_t d = 0; d < DK; ++d) {
-            K32[d * TK + c] = 0.0f;
+        for (int c = 0; c < n; ++c) {
+            K.row_f32(to_f32, j0 + c0 + c, hk, s, kt.data() + c * DK, DK, walk);
+        }
+        if (n < 8) {
+            std::fill(kt.begin() + n * DK, kt.begin() + 8 * DK, 0.0f);
+        }
+        for (int64_t d = 0; d < DK; d += 8) {
+            transpose8(kt.data() + d, DK, K32 + d * TK + c0, TK);
         }
     }
 }

@@ -267,6 +267,8 @@ bool readable(ggml_type t) {
 struct kvct_read {
     std::vector<uint8_t>              bytes; // the plans tensor they were made from
     std::vector<kvc_t_decoder>        dec;
+    std::vector<kvc_t_rows8>          rows8; // empty where this build has no such decoder
+    std::vector<float>                rows8_tab;
     std::unique_ptr<kvc_t_rope_steps> steps;
 };
 
@@ -285,8 +287,19 @@ const kvct_read & kvct_read_of(const ggml_tensor * kp, int64_t n_head) {
     }
     r.bytes.assign(p, p + nb);
     r.dec.resize(n_head);
+    size_t n_tab = 0;
     for (int64_t h = 0; h < n_head; ++h) {
         kvc_t_decoder_init(&r.dec[h], (const kvc_t_plan *) kp->data + h);
+        n_tab += kvc_t_rows8_floats(r.dec[h].plan);
+    }
+    r.rows8.clear();
+    r.rows8_tab.assign(n_tab, 0.0f);
+    if (n_tab > 0) {
+        r.rows8.resize(n_head);
+        for (int64_t h = 0, off = 0; h < n_head; ++h) {
+            kvc_t_rows8_init(&r.rows8[h], &r.dec[h], r.rows8_tab.data() + off);
+            off += (int64_t) kvc_t_rows8_floats(r.dec[h].plan);
+        }
     }
     const kvc_t_rope * rope = (const kvc_t_rope *) ((const kvc_t_plan *) kp->data + n_head);
     r.steps.reset();
@@ -370,6 +383,7 @@ bool ggml_kvc_cpu_flash_attn_ext(const struct ggml_compute_params * params, stru
     if (kvct) {
         const kvct_read & kr = kvct_read_of(kp, k->ne[2]);
         a.k[0].plans = kr.dec.data();
+        a.k[0].rows8 = kr.rows8.empty() ? nullptr : kr.rows8.data();
         a.k[0].ref   = params->use_ref;
         const kvc_t_rope * rope = (const kvc_t_rope *) ((const kvc_t_plan *) kp->data + k->ne[2]);
         if (rope->n_pairs > 0) {

@@ -33,6 +33,7 @@ struct fa_src {
     int64_t      n = 0;
     int64_t      r3 = 1; // query streams per source stream
     const kvc_t_decoder * plans = nullptr; // per KV head, for kvct rows
+    const kvc_t_rows8 *   rows8 = nullptr; // per KV head, where this build decodes rows 8 at a time
     bool ref = false;                    // kvct rows through the format's reference
     // kvct rows coded before RoPE: the layer's RoPE and the positions of the cache's cells
     // ([cells, streams]; this source's first stream is s0)

@@ -80,10 +80,13 @@ void kvc_t_decoder_init(kvc_t_decoder * dec, const kvc_t_plan * plan);
 #define KVC_T_ROPE_STEPS 16
 #define KVC_T_ROPE_EXACT 256
 
-// (cos, sin) of j steps of a RoPE, j = 0 .. KVC_T_ROPE_STEPS, one table per node.
+// (cos, sin) of j steps of a RoPE, j = 0 .. KVC_T_ROPE_STEPS, one table per node; ct and st
+// hold the same values by pair, so that 8 keys' steps of one pair are one load.
 typedef struct {
     float c[KVC_T_ROPE_STEPS + 1][KVC_T_MAX_D / 2];
     float s[KVC_T_ROPE_STEPS + 1][KVC_T_MAX_D / 2];
+    float ct[KVC_T_MAX_D / 2][KVC_T_ROPE_STEPS + 1];
+    float st[KVC_T_MAX_D / 2][KVC_T_ROPE_STEPS + 1];
 } kvc_t_rope_steps;
 
 void kvc_t_rope_steps_init(kvc_t_rope_steps * st, const kvc_t_rope * rope);
@@ -107,6 +110,38 @@ void kvc_t_decoder_row(const kvc_t_decoder * dec, const uint8_t * x, float * y);
 // The row of a cache coded before RoPE, turned to the position the walk is at (kvc_t_rope_row
 // of the row's values by kvc_t_rope_cs's angles, up to the walk's rounding).
 void kvc_t_decoder_row_at(const kvc_t_decoder * dec, const uint8_t * x, const kvc_t_rope_walk * w, float * y);
+
+// Eight rows at once, one row per vector lane (kvc-kvct-rows8-cpu.c, built with AVX2 and with
+// AVX-512 without VBMI): each coefficient is cut out of the 8 rows' 32-bit words by the same
+// shift and mask, its levels times sigma read from a table of its own (permutes up to 5
+// bits, a gather above), and the 8 rows come out as the columns of an F32 tile, the layout
+// attention multiplies, turned to their positions with the products of kvc_t_decoder_row_at. A row decoded one coefficient group at a time spends most of its
+// time on the group's mixed widths; across rows every lane has the same width.
+typedef struct {
+    int32_t n_words;            // 32-bit words of a row
+    int32_t tail;               // bytes in a last word that is not whole (0: none)
+    int32_t word[KVC_T_MAX_D];  // coefficient j's first word
+    int32_t shift[KVC_T_MAX_D]; // its first bit in that word
+    int32_t mask[KVC_T_MAX_D];  // 2^bits - 1
+    int32_t split[KVC_T_MAX_D]; // whether its code goes on into the next word
+    int32_t kind[KVC_T_MAX_D];  // its table: 0 8 entries, 1 16, 2 32 (permutes), 3 2^bits (gathered)
+    int32_t toff[KVC_T_MAX_D];  // its table's first entry
+    const float * tab;          // levels times sigma (kvc_t_rows8_floats of them)
+} kvc_t_rows8;
+
+// Floats of a plan's tables for kvc_t_rows8_init; 0 where this build has no such decoder.
+size_t kvc_t_rows8_floats(const kvc_t_plan * plan);
+
+// Sets r up for the decoder's plan, its tables in tab (kvc_t_rows8_floats of them).
+void kvc_t_rows8_init(kvc_t_rows8 * r, const kvc_t_decoder * dec, float * tab);
+
+// Rows x0 + i stride (i = 0..7) of a cache coded before RoPE, at positions pos[i], as
+// kvc_t_decoder_row_at gives them (bit for bit), written as 8 columns: channel c of row i at
+// y[c * ld + i]. The walk is moved to pos[0]. False, with nothing written, when the rows cannot
+// be taken together (positions in more than one run of KVC_T_ROPE_STEPS from a multiple of it,
+// a walk without the plan's rotation, a stride past 32 bits); the caller reads them one by one.
+bool kvc_t_decoder_rows8(const kvc_t_decoder * dec, const kvc_t_rows8 * r, kvc_t_rope_walk * w, const uint8_t * x0,
+                         int64_t stride, const int64_t * pos, float * y, int64_t ld);
 
 // The most queries kvc_t_decoder_dots scores a row against.
 #define KVC_T_DOTS_MAX_Q 16

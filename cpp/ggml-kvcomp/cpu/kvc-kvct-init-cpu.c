@@ -170,8 +170,10 @@ void kvc_t_rope_steps_init(kvc_t_rope_steps * st, const kvc_t_rope * rope) {
         const double c1 = cos((double) rope->theta[p]), s1 = sin((double) rope->theta[p]);
         double c = 1.0, s = 0.0;
         for (int j = 0; j <= KVC_T_ROPE_STEPS; ++j) {
-            st->c[j][p] = (float) c;
-            st->s[j][p] = (float) s;
+            st->c[j][p]  = (float) c;
+            st->s[j][p]  = (float) s;
+            st->ct[p][j] = (float) c;
+            st->st[p][j] = (float) s;
             const double cn = c * c1 - s * s1;
             s = s * c1 + c * s1;
             c = cn;
