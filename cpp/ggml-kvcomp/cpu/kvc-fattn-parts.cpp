@@ -201,6 +201,34 @@ std::vector<float> & k_rows_scratch(int64_t DK) {
     return kt;
 }
 
+// Columns [0, nk) of a tile K32[DK][TK] from rows: row(c, y) writes key c's DK values to y;
+// the columns past nk zero. Rows are read 8 at a time and their 8 x 8 blocks transposed in
+// registers: storing a row's values one by one down its column (one store every TK floats)
+// took as long as decoding a kvct row of 256 values. block(c0) may write keys c0 .. c0 + 7
+// itself (true) when all 8 are there.
+template <typename Block, typename Row>
+void k_columns(float * K32, int64_t DK, int nk, const Block & block, const Row & row) {
+    const int64_t TK = KVC_FA_TILE_KV;
+    static_assert(KVC_FA_TILE_KV % 8 == 0, "a tile is whole blocks of 8 keys");
+    GGML_ASSERT(DK % 8 == 0 && DK <= KVC_MAX_ROW);
+    std::vector<float> & kt = k_rows_scratch(DK);
+    for (int c0 = 0; c0 < TK; c0 += 8) {
+        const int n = std::max(0, std::min(8, nk - c0));
+        if (n == 8 && block(c0)) {
+            continue;
+        }
+        for (int c = 0; c < n; ++c) {
+            row(c0 + c, kt.data() + c * DK);
+        }
+        if (n < 8) {
+            std::fill(kt.begin() + n * DK, kt.begin() + 8 * DK, 0.0f);
+        }
+        for (int64_t d = 0; d < DK; d += 8) {
+            transpose8(kt.data() + d, DK, K32 + d * TK + c0, TK);
+        }
+    }
+}
+
 } // namespace
 
 // as_f16: F32 rows are read as their F16 rounding
@@ -230,37 +258,22 @@ void combine(float & M, float & S, float * acc, float pM, float pS, const float 
 }
 
 // Keys [j0, j0 + nk) of KV head hk in stream s as one tile of F32 columns, K32[DK][TK] (the
-// layout gemm_f32 multiplies), the columns past nk zero. Rows are read 8 at a time and their
-// 8 x 8 blocks transposed in registers: storing a row's values one by one down its column
-// (one store every TK floats) took as long as decoding a kvct row of 256 values.
+// layout gemm_f32 multiplies), the columns past nk zero.
 void k_tile_f32(const fa_src & K, row_to_f32_t to_f32, int64_t j0, int nk, int64_t hk, int64_t s, int64_t DK,
                 kvc_t_rope_walk * walk, float * K32) {
-    const int64_t TK = KVC_FA_TILE_KV;
-    static_assert(KVC_FA_TILE_KV % 8 == 0, "a tile is whole blocks of 8 keys");
-    GGML_ASSERT(DK % 8 == 0 && DK <= KVC_MAX_ROW);
-    std::vector<float> & kt = k_rows_scratch(DK);
-    for (int c0 = 0; c0 < TK; c0 += 8) {
-        const int n = std::max(0, std::min(8, nk - c0));
-        if (n == 8 && K.rows8 && K.rope && !K.ref) {
-            int64_t pos[8];
-            for (int c = 0; c < 8; ++c) {
-                pos[c] = K.key_pos(j0 + c0 + c, s);
-            }
-            if (kvc_t_decoder_rows8(&K.plans[hk], &K.rows8[hk], walk, (const uint8_t *) K.row(j0 + c0, hk, s), (int64_t) K.nb1,
-                                    pos, K32 + c0, TK)) {
-                continue;
-            }
+    const bool rows8 = K.rows8 && K.rope && !K.ref;
+    const auto block = [&](int c0) {
+        if (!rows8) {
+            return false;
         }
-        for (int c = 0; c < n; ++c) {
-            K.row_f32(to_f32, j0 + c0 + c, hk, s, kt.data() + c * DK, DK, walk);
+        int64_t pos[8];
+        for (int c = 0; c < 8; ++c) {
+            pos[c] = K.key_pos(j0 + c0 + c, s);
         }
-        if (n < 8) {
-            std::fill(kt.begin() + n * DK, kt.begin() + 8 * DK, 0.0f);
-        }
-        for (int64_t d = 0; d < DK; d += 8) {
-            transpose8(kt.data() + d, DK, K32 + d * TK + c0, TK);
-        }
-    }
+        return kvc_t_decoder_rows8(&K.plans[hk], &K.rows8[hk], walk, (const uint8_t *) K.row(j0 + c0, hk, s), (int64_t) K.nb1,
+                                   pos, K32 + c0, KVC_FA_TILE_KV);
+    };
+    k_columns(K32, DK, nk, block, [&](int c, float * y) { K.row_f32(to_f32, j0 + c, hk, s, y, DK, walk); });
 }
 
 // Keys [j0, j0 + nk) of KV head hk in stream s as one tile of F32 rows, V32[TK][DV], the rows
@@ -429,60 +442,59 @@ void exact_part(const fa_node & a, fa_rows & rows) {
     const row_to_f32_t v_to_f32[2] = { get_row_to_f32(a.v[1].type, ref), get_row_to_f32(a.v[2].type, ref, true) };
     rows.reset(DV);
 
-    int64_t keys[KVC_FA_TILE_KV], cols[KVC_FA_TILE_KV];
-    // the tile of the order's entries [i0, i0 + TK): its keys and their mask in rows.MK, its
-    // scores in rows.KQ; 0 when the order has ended, -1 when no row sees any of its keys
-    const auto tile = [&](int64_t i0) -> int {
-        int nk = 0;
-        for (; nk < TK && i0 + nk < n_x; ++nk) {
-            const int64_t e = order ? order[i0 + nk] : i0 + nk;
+    // The tiles of the order's entries that some row sees: their keys, and their scores and
+    // mask from the first pass, which the second reads again.
+    struct exact_tile {
+        int     nk;
+        int64_t keys[KVC_FA_TILE_KV];
+    };
+    thread_local std::vector<exact_tile> tiles;
+    thread_local std::vector<float>      kept;
+    const size_t per_tile = 2 * (size_t) R * TK;
+    tiles.clear();
+    for (int64_t i0 = 0;; i0 += TK) {
+        exact_tile t;
+        int64_t cols[KVC_FA_TILE_KV];
+        for (t.nk = 0; t.nk < TK && i0 + t.nk < n_x; ++t.nk) {
+            const int64_t e = order ? order[i0 + t.nk] : i0 + t.nk;
             if (e < 0) {
                 break;
             }
-            keys[nk] = e;
-            cols[nk] = off + e;
+            t.keys[t.nk] = e;
+            cols[t.nk] = off + e;
         }
-        if (nk == 0) {
-            return 0;
+        if (t.nk == 0) {
+            break;
         }
-        if (!rows.mask_tile(a, cols, nk)) {
-            return -1;
+        if (!rows.mask_tile(a, cols, t.nk)) {
+            continue;
         }
-        float kt[KVC_MAX_ROW];
-        for (int c = 0; c < TK; ++c) {
-            if (c < nk) {
-                const int p = keys[c] < n1 ? 0 : 1;
-                k_to_f32[p](a.k[1 + p].row(keys[c] - p * n1, rows.hk, rows.s), kt, DK);
-            }
-            for (int64_t d = 0; d < DK; ++d) {
-                rows.K32[d * TK + c] = c < nk ? kt[d] : 0.0f;
-            }
-        }
+        k_columns(rows.K32, DK, t.nk, [](int) { return false; }, [&](int c, float * y) {
+            const int p = t.keys[c] < n1 ? 0 : 1;
+            k_to_f32[p](a.k[1 + p].row(t.keys[c] - p * n1, rows.hk, rows.s), y, DK);
+        });
         memset(rows.KQ, 0, (size_t) R * TK * sizeof(float));
         gemm_f32(rows.KQ, rows.Qt, rows.K32, R, (int) DK, (int) TK, ref);
         for (int r = 0; r < R; ++r) {
-            score_row(a, rows.KQ + r * TK, rows.MK + r * TK);
-        }
-        return nk;
-    };
-
-    for (int64_t i0 = 0, nk; (nk = tile(i0)) != 0; i0 += TK) {
-        if (nk < 0) {
-            continue;
-        }
-        for (int r = 0; r < R; ++r) {
-            const float * kq = rows.KQ + r * TK;
+            float * kq = rows.KQ + r * TK;
+            score_row(a, kq, rows.MK + r * TK);
             for (int c = 0; c < TK; ++c) {
                 rows.M[r] = std::max(rows.M[r], kq[c]);
             }
         }
+        tiles.push_back(t);
+        kept.resize(tiles.size() * per_tile);
+        float * k = kept.data() + (tiles.size() - 1) * per_tile;
+        memcpy(k, rows.KQ, (size_t) R * TK * sizeof(float));
+        memcpy(k + R * TK, rows.MK, (size_t) R * TK * sizeof(float));
     }
-    for (int64_t i0 = 0, nk; (nk = tile(i0)) != 0; i0 += TK) {
-        if (nk < 0) {
-            continue;
-        }
+
+    for (size_t i = 0; i < tiles.size(); ++i) {
+        const exact_tile & t = tiles[i];
+        float * kq_all = kept.data() + i * per_tile;
+        const float * mk = kq_all + R * TK;
         for (int r = 0; r < R; ++r) {
-            float * kq = rows.KQ + r * TK;
+            float * kq = kq_all + r * TK;
             if (rows.M[r] == -INFINITY) {
                 memset(kq, 0, TK * sizeof(float));
                 continue;
@@ -495,24 +507,24 @@ void exact_part(const fa_node & a, fa_rows & rows) {
         // A key no row sees adds a zero row: its slot may hold another sequence's non-finite
         // values, which a zero weight would still turn into NaN in simd_gemm's products.
         const auto row = [&](int c, float * vt) {
-            const int p = keys[c] < n1 ? 0 : 1;
-            v_to_f32[p](a.v[1 + p].row(keys[c] - p * n1, rows.hk, rows.s), vt, DV);
+            const int p = t.keys[c] < n1 ? 0 : 1;
+            v_to_f32[p](a.v[1 + p].row(t.keys[c] - p * n1, rows.hk, rows.s), vt, DV);
         };
-        const auto seen_by = [&](int r, int c) { return rows.MK[r * TK + c] != -INFINITY; };
+        const auto seen_by = [&](int r, int c) { return mk[r * TK + c] != -INFINITY; };
         int n_seen[KVC_FA_TILE_KV];
-        count_seen(rows.MK, R, n_seen);
+        count_seen(mk, R, n_seen);
         for (int c = 0; c < TK; ++c) {
             float * vt = rows.V32 + c * DV;
-            if (c < nk && n_seen[c] > 0) {
+            if (c < t.nk && n_seen[c] > 0) {
                 row(c, vt);
             } else {
                 memset(vt, 0, DV * sizeof(float));
             }
         }
         int bad[KVC_FA_TILE_KV];
-        const int n_bad = zero_mixed_nonfinite(rows.V32, DV, nk, R, n_seen, bad);
-        gemm_f32(rows.VKQ, rows.KQ, rows.V32, R, (int) TK, (int) DV, ref);
-        add_columns(rows.VKQ, rows.KQ, DV, R, bad, n_bad, seen_by, row);
+        const int n_bad = zero_mixed_nonfinite(rows.V32, DV, t.nk, R, n_seen, bad);
+        gemm_f32(rows.VKQ, kq_all, rows.V32, R, (int) TK, (int) DV, ref);
+        add_columns(rows.VKQ, kq_all, DV, R, bad, n_bad, seen_by, row);
     }
 }
 
