@@ -22,6 +22,7 @@ from . import (
     layers,
     models,
     needle,
+    paths,
     perplexity,
     plots,
     regress,
@@ -60,9 +61,15 @@ def _command_line(argv: Sequence[str]) -> str:
     return "kvcomp " + " ".join(shlex.quote(a) for a in argv)
 
 
+def _cpu_lib() -> Path | None:
+    """The CPU backend the tools load, where it is there."""
+    lib = paths.bin_dir() / "libggml-cpu.so"
+    return lib if lib.exists() else None
+
+
 def _cpu() -> str:
-    """The CPU's name and the widest SIMD level it offers (what a native build uses)."""
-    m = reportdata.this_machine()
+    """The CPU's name and the SIMD level the tools run at (the CPU's widest, or a build's below it)."""
+    m = reportdata.this_machine(_cpu_lib())
     return f"{m.cpu}, {m.simd}"
 
 
@@ -313,7 +320,7 @@ def cmd_record(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if inner[:1] == ["--"]:
         inner = inner[1:]
     threads = int(build_parser().parse_args(inner).threads)
-    rec = reportdata.measure(args.name, inner, threads, args.quick, _command_line(inner), main)
+    rec = reportdata.measure(args.name, inner, threads, args.quick, _command_line(inner), main, _cpu_lib())
     print(f"kvcomp record: {reportdata.save(rec, Path(args.data))} ({rec.seconds:.0f} s)")
     return 0
 

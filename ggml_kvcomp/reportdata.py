@@ -5,6 +5,7 @@ beside the table. Records are kept in docs/results-data/, so a partial run (`scr
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
@@ -12,7 +13,7 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ class Machine:
     """Where a record was measured: what a reader needs to compare speed ratios."""
 
     cpu: str  # /proc/cpuinfo's model name
-    simd: str  # the widest SIMD level the CPU offers (what a native build uses)
+    simd: str  # the widest SIMD level the CPU offers, or "<level> build" for a build below it
     cores: int
 
 
@@ -37,6 +38,10 @@ class Record:
     seconds: float  # wall time of the command
     quick: bool  # measured by `scripts/report.sh --quick` (fewer chunks, configurations, depths)
     rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+# narrowest first
+SIMD_LEVELS = ("no AVX2", "AVX2", "AVX-512", "AVX-512 VBMI")
 
 
 def simd_level(flags: set[str]) -> str:
@@ -55,12 +60,35 @@ def parse_cpuinfo(text: str, cores: int) -> Machine:
                    cores=cores)
 
 
-def this_machine() -> Machine:
+def build_simd_level(cpu_lib: Path) -> str | None:
+    """The widest SIMD level a CPU backend library was compiled for (its ggml_cpu_has_*
+    functions report the compiler's flags); None where it cannot be loaded."""
+    try:
+        lib = ctypes.CDLL(str(cpu_lib))
+    except OSError:
+        return None
+    for fn, level in (("ggml_cpu_has_avx512_vbmi", "AVX-512 VBMI"), ("ggml_cpu_has_avx512", "AVX-512"),
+                      ("ggml_cpu_has_avx2", "AVX2")):
+        if getattr(lib, fn)():
+            return level
+    return SIMD_LEVELS[0]
+
+
+def with_build(m: Machine, built: str | None) -> Machine:
+    """The machine as a build below the CPU's own level runs it: speed is the build's."""
+    if built is None or m.simd not in SIMD_LEVELS or SIMD_LEVELS.index(built) >= SIMD_LEVELS.index(m.simd):
+        return m
+    return replace(m, simd=f"{built} build")
+
+
+def this_machine(cpu_lib: Path | None = None) -> Machine:
+    """This machine; with cpu_lib (the CPU backend the tools load), the SIMD level they run at."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         text = ""
-    return parse_cpuinfo(text, os.cpu_count() or 0)
+    m = parse_cpuinfo(text, os.cpu_count() or 0)
+    return with_build(m, build_simd_level(cpu_lib) if cpu_lib is not None else None)
 
 
 def kind_of(argv: Sequence[str]) -> str:
@@ -72,9 +100,9 @@ def kind_of(argv: Sequence[str]) -> str:
 
 
 def measure(name: str, argv: Sequence[str], threads: int, quick: bool, command: str,
-            run: Callable[[list[str]], int]) -> Record:
+            run: Callable[[list[str]], int], cpu_lib: Path | None = None) -> Record:
     """Runs a `kvcomp` command (run: the CLI's main) with --json into a temporary file and
-    wraps its rows into a record."""
+    wraps its rows into a record (the SIMD level that of cpu_lib's build, where given)."""
     kind = kind_of(argv)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
@@ -85,7 +113,7 @@ def measure(name: str, argv: Sequence[str], threads: int, quick: bool, command: 
             raise RuntimeError(f"{command} failed (exit {rc})")
         rows = json.loads(out.read_text())
     return Record(name=name, kind=kind, command=command, date=datetime.date.today().isoformat(),
-                  machine=this_machine(), threads=threads, seconds=round(seconds, 1), quick=quick, rows=rows)
+                  machine=this_machine(cpu_lib), threads=threads, seconds=round(seconds, 1), quick=quick, rows=rows)
 
 
 def save(record: Record, folder: Path) -> Path:

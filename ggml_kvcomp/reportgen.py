@@ -17,6 +17,10 @@ MODEL_NAMES = {"smollm2-135m-f32": "SmolLM2-135M F32", "gemma3-270m": "Gemma-3-2
 QUALITY = (("smollm2-135m-f32", 2048), ("smollm2-135m-f32", 8192), ("gemma3-270m", 2048), ("gemma3-270m", 8192))
 LONG_MODEL, LONG_CTX = "gemma3-270m", (16384, 32768)
 SPEED = ("speed-smollm2-135m", "speed-smollm2-135m-d16384")
+# builds below this machine's level (scripts/build-isa.sh), the models measured with each
+ISA_BUILDS = (("avx2", "AVX2", "AVX2 (AMD Zen 1-3, most Intel desktop CPUs)"),
+              ("avx512", "AVX-512", "AVX-512 without VBMI (Intel Skylake-X, Cascade Lake)"))
+ISA_MODELS = ("smollm2-135m", "gemma3-270m", "synth-kv8x128")
 PARALLEL = "parallel-synth-kv8x128"
 MAIN_SECTION = "kld-main"
 README_BLOCK = "mode-table"
@@ -43,6 +47,10 @@ def quality_name(model: str, ctx: int) -> str:
 
 def long_name(kind: str, ctx: int) -> str:
     return f"{kind}-{LONG_MODEL}-ctx{ctx}"
+
+
+def isa_speed_name(isa: str, model: str) -> str:
+    return f"speed-{isa}-{model}"
 
 
 def provenance(rec: Record) -> str:
@@ -243,6 +251,20 @@ f16 in the same run; absolute t/s hold for that machine and load only ([tools.md
 """
 
 
+def _isa_sections(records: dict[str, Record]) -> list[str]:
+    """One speed table per model for each build below the measuring machine's level."""
+    out = []
+    for isa, short, what in ISA_BUILDS:
+        for i, model in enumerate(ISA_MODELS):
+            rec = records.get(isa_speed_name(isa, model))
+            intro = (f"The CPU backend built for {what} on the same machine (`scripts/build-isa.sh {isa}`), "
+                     "where kvct rows are decoded without VBMI; ratios to f16 of the same build and run."
+                     if i == 0 else "")
+            out.append(_section(f"{MODEL_NAMES[model]}, {short} build", intro, [rec],
+                                speed_table([rec]) if rec else None, f"`{isa_speed_name(isa, model)}`"))
+    return out
+
+
 def render(records: dict[str, Record], main_section: str | None) -> str:
     parts = [INTRO, "## Quality\n",
              "Mean KLD, its 99th percentile, how often the top token agrees with the f16 run, and the\n"
@@ -271,6 +293,7 @@ def render(records: dict[str, Record], main_section: str | None) -> str:
                        "llama-bench tokens/s: decode (tg) at each depth and a 512-token prompt at depth 4096, "
                        "in parentheses the ratio to f16 in the same run.",
                        sp, speed_table(sp) if sp else None, ", ".join(f"`{n}`" for n in SPEED)),
+              *_isa_sections(records),
               _section(f"Parallel decode, {MODEL_NAMES['synth-kv8x128']}",
                        "A 7-8B model's attention (8 KV heads of 128) in 4 small layers, so that KV reads bound "
                        "a step: sequences decoding together after a shared prompt, each in its own stream "

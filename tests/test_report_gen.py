@@ -119,6 +119,16 @@ def test_mode_table_quotes_the_records(mode: tuple[str, str, str, str]) -> None:
     assert cells[6] == f"{(100.0 - 10 * i) / 100.0:.2f}x"
 
 
+@pytest.mark.parametrize(("isa", "model"), [(i[0], m) for i in reportgen.ISA_BUILDS for m in reportgen.ISA_MODELS])
+def test_a_builds_speed_has_its_own_table(isa: str, model: str) -> None:
+    name = reportgen.isa_speed_name(isa, model)
+    rows = [bench_row(label, d, ts) for label, ts in (("f16", 50.0), ("balanced:k3", 60.0)) for d in (0, 4096)]
+    text = reportgen.render({name: record(name, "bench", rows)}, None)
+    short = next(i[1] for i in reportgen.ISA_BUILDS if i[0] == isa)
+    section = text.split(f"### {reportgen.MODEL_NAMES[model]}, {short} build\n")[1].split("###")[0]
+    assert "| balanced:k3 | 60.0 (1.20x) | 60.0 (1.20x) |" in section and record(name, "bench", rows).command in section
+
+
 def test_write_keeps_the_main_section_and_the_rest_of_readme(tmp_path: Path) -> None:
     data, results, readme = tmp_path / "data", tmp_path / "results.md", tmp_path / "README.md"
     for rec in full_records().values():
@@ -138,6 +148,20 @@ def test_write_keeps_the_main_section_and_the_rest_of_readme(tmp_path: Path) -> 
 def test_machine_from_cpuinfo(flags: str, simd: str) -> None:
     m = reportdata.parse_cpuinfo(f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu {flags}\n", 2)
     assert (m.cpu, m.simd, m.cores) == ("Some CPU", simd, 2)
+
+
+@pytest.mark.parametrize(("cpu", "built", "simd"), [("AVX-512 VBMI", "AVX2", "AVX2 build"),
+                                                   ("AVX-512 VBMI", "AVX-512", "AVX-512 build"),
+                                                   ("AVX-512 VBMI", "AVX-512 VBMI", "AVX-512 VBMI"),
+                                                   ("AVX2", "AVX2", "AVX2"), ("AVX2", None, "AVX2")])
+def test_a_build_below_the_cpu_names_its_level(cpu: str, built: str | None, simd: str) -> None:
+    m = reportdata.Machine(cpu="Some CPU", simd=cpu, cores=2)
+    assert reportdata.with_build(m, built).simd == simd
+
+
+def test_the_native_build_reports_its_own_level(bins: Path) -> None:
+    """ggml_cpu_has_* of the CPU backend the tools load: a native build is at the CPU's level."""
+    assert reportdata.build_simd_level(bins / "libggml-cpu.so") == reportdata.this_machine().simd
 
 
 def test_record_wraps_a_commands_rows(tmp_path: Path) -> None:
