@@ -17,10 +17,10 @@ MODEL_NAMES = {"smollm2-135m-f32": "SmolLM2-135M F32", "gemma3-270m": "Gemma-3-2
 QUALITY = (("smollm2-135m-f32", 2048), ("smollm2-135m-f32", 8192), ("gemma3-270m", 2048), ("gemma3-270m", 8192))
 LONG_MODEL, LONG_CTX = "gemma3-270m", (16384, 32768)
 SPEED = ("speed-smollm2-135m", "speed-smollm2-135m-d16384")
-# builds below this machine's level (scripts/build-isa.sh), the models measured with each
-ISA_BUILDS = (("avx2", "AVX2", "AVX2 (AMD Zen 1-3, most Intel desktop CPUs)"),
-              ("avx512", "AVX-512", "AVX-512 without VBMI (Intel Skylake-X, Cascade Lake)"))
-ISA_MODELS = ("smollm2-135m", "gemma3-270m", "synth-kv8x128")
+# builds below this machine's level (scripts/build-isa.sh): name, level, CPUs, models measured
+ISA_BUILDS = (("avx2", "AVX2", "AVX2 (AMD Zen 1-3, most Intel desktop CPUs)",
+               ("smollm2-135m", "gemma3-270m", "synth-kv8x128")),
+              ("avx512", "AVX-512", "AVX-512 without VBMI (Intel Skylake-X, Cascade Lake)", ("smollm2-135m",)))
 PARALLEL = "parallel-synth-kv8x128"
 MAIN_SECTION = "kld-main"
 README_BLOCK = "mode-table"
@@ -254,8 +254,8 @@ f16 in the same run; absolute t/s hold for that machine and load only ([tools.md
 def _isa_sections(records: dict[str, Record]) -> list[str]:
     """One speed table per model for each build below the measuring machine's level."""
     out = []
-    for isa, short, what in ISA_BUILDS:
-        for i, model in enumerate(ISA_MODELS):
+    for isa, short, what, models in ISA_BUILDS:
+        for i, model in enumerate(models):
             rec = records.get(isa_speed_name(isa, model))
             intro = (f"The CPU backend built for {what} on the same machine (`scripts/build-isa.sh {isa}`), "
                      "where kvct rows are decoded without VBMI; ratios to f16 of the same build and run."

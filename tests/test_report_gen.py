@@ -119,7 +119,7 @@ def test_mode_table_quotes_the_records(mode: tuple[str, str, str, str]) -> None:
     assert cells[6] == f"{(100.0 - 10 * i) / 100.0:.2f}x"
 
 
-@pytest.mark.parametrize(("isa", "model"), [(i[0], m) for i in reportgen.ISA_BUILDS for m in reportgen.ISA_MODELS])
+@pytest.mark.parametrize(("isa", "model"), [(i[0], m) for i in reportgen.ISA_BUILDS for m in i[3]])
 def test_a_builds_speed_has_its_own_table(isa: str, model: str) -> None:
     name = reportgen.isa_speed_name(isa, model)
     rows = [bench_row(label, d, ts) for label, ts in (("f16", 50.0), ("balanced:k3", 60.0)) for d in (0, 4096)]
