@@ -6,6 +6,9 @@
 #                            here (ccache keeps the objects)
 #   kvcomp_ccache         -> exports the ccache settings that let every clone share its objects
 #   kvcomp_other_clone DIR -> true when DIR was configured from another clone than $root
+#   kvcomp_configure ARGS -> makes $build (fresh or from another clone: configured here, with
+#                            ninja where there is one, Release, and ARGS), then exports ccache's
+#                            settings
 
 kvcomp_build_dir() {
     sdist=$(python3 "$root/scripts/prepare_upstream.py")
@@ -28,4 +31,17 @@ kvcomp_ccache() {
     export CCACHE_DIR=${CCACHE_DIR:-$cache/ccache}
     export CCACHE_BASEDIR=$root
     export CCACHE_NOHASHDIR=1
+}
+
+kvcomp_configure() {
+    mkdir -p "$build"
+    kvcomp_adopt_build
+    kvcomp_ccache
+    local generator=()
+    if command -v ninja >/dev/null 2>&1; then
+        generator=(-G Ninja)
+    fi
+    if [ ! -f "$build/CMakeCache.txt" ]; then
+        cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKVCOMP_UPSTREAM_DIR="$sdist" "$@" >&2
+    fi
 }

@@ -21,16 +21,6 @@ esac
 # shellcheck source=scripts/build-env.sh
 source "$root/scripts/build-env.sh"
 kvcomp_build_dir "build-$level"
-mkdir -p "$build"
-kvcomp_adopt_build
-kvcomp_ccache
-
-generator=()
-if command -v ninja >/dev/null 2>&1; then
-    generator=(-G Ninja)
-fi
-if [ ! -f "$build/CMakeCache.txt" ]; then
-    cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKVCOMP_UPSTREAM_DIR="$sdist" "${flags[@]}" >&2
-fi
+kvcomp_configure "${flags[@]}"
 cmake --build "$build" --parallel "$jobs" --target llama-bench >&2
 echo "$build/bin"

@@ -13,17 +13,7 @@ targets=${KVCOMP_TARGETS:-"llama llama-server llama-perplexity llama-bench llama
 # shellcheck source=scripts/build-env.sh
 source "$root/scripts/build-env.sh"
 kvcomp_build_dir build
-mkdir -p "$build"
-kvcomp_adopt_build
-kvcomp_ccache
-
-generator=()
-if command -v ninja >/dev/null 2>&1; then
-    generator=(-G Ninja)
-fi
-if [ ! -f "$build/CMakeCache.txt" ]; then
-    cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKVCOMP_UPSTREAM_DIR="$sdist" >&2
-fi
+kvcomp_configure
 
 # shellcheck disable=SC2086
 cmake --build "$build" --parallel "$jobs" --target $targets >&2
