@@ -65,6 +65,28 @@ KVC_T_INLINE __m256i kvc_t_rows8_word(const kvc_t_rows8 * r, const uint8_t * x0,
     return _mm256_i32gather_epi32((const int *) (x0 + 4 * k), idx, 1);
 }
 
+// the 32 bytes at x + i stride (i = 0..7) as 8 words of 8 lanes: w[k] lane i = word k of row i
+KVC_T_INLINE void kvc_t_rows8_transpose(const uint8_t * x, int64_t stride, __m256i * w) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm256_loadu_ps((const float *) (x + i * stride));
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i]     = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        for (int h = 0; h < 2; ++h) {
+            r[4 * i + 2 * h]     = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0x44);
+            r[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], 0xEE);
+        }
+    }
+    for (int i = 0; i < 4; ++i) {
+        w[i]     = _mm256_castps_si256(_mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        w[i + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+
 // entry idx of each lane among the 8, 16 or 32 at t
 KVC_T_INLINE __m256 kvc_t_rows8_pick8(const float * t, __m256i idx) {
     return _mm256_permutevar8x32_ps(_mm256_loadu_ps(t), idx);
@@ -141,8 +163,14 @@ bool kvc_t_decoder_rows8(const kvc_t_decoder * dec, const kvc_t_rows8 * r, kvc_t
     const __m256i delta = _mm256_loadu_si256((const __m256i *) dl);
     const __m256i idx   = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int32_t) stride));
 
-    __m256i words[(8 + KVC_T_MAX_BITS * KVC_T_MAX_D) / 32 + 1];
-    for (int32_t k = 0; k < r->n_words; ++k) {
+    __m256i words[(8 + KVC_T_MAX_BITS * KVC_T_MAX_D) / 32 + 8];
+    int32_t k = 0;
+    // 8 whole words of each row at a time: 8 loads and a transpose in registers (a gather a
+    // word was 10% of a row's time on Zen 4)
+    for (const int32_t whole = r->n_words - (r->tail ? 1 : 0); k + 8 <= whole; k += 8) {
+        kvc_t_rows8_transpose(x0 + 4 * k, stride, words + k);
+    }
+    for (; k < r->n_words; ++k) {
         words[k] = kvc_t_rows8_word(r, x0, idx, k);
     }
     // each row's scale, kvc_e8_to_fp32 of its first byte; a zero row (code 0) is its base
